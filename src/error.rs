@@ -1,0 +1,203 @@
+//! The crate's error type.
+
+use std::time::Duration;
+
+use crate::store::Version;
+
+/// A boxed error from a store's client library, kept as the [`std::error::Error::source`] of an
+/// [`Error`].
+pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
+
+/// Result type used throughout leasehold.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// Everything that can go wrong in leasehold: invalid input, store outcomes the elector acts on
+/// (conflicts, missing keys, corrupt data) and store failures.
+///
+/// Each variant says whether the operation may be retried as it is; see
+/// [`Error::is_retryable`]. Backends convert their own errors into this type at the
+/// [`LeaseStore`](crate::LeaseStore) boundary.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// A lease key broke the key rules (see [`LeaseKey`](crate::LeaseKey)). Fix the key; do not
+    /// retry.
+    #[error("invalid lease key {key:?}: {rule}")]
+    InvalidKey {
+        /// The rejected key (as given).
+        key: String,
+        /// The rule it broke, in words.
+        rule: &'static str,
+    },
+
+    /// A configuration value was out of range or inconsistent. Fix the configuration; do not
+    /// retry.
+    #[error("invalid configuration: {0}")]
+    InvalidConfig(String),
+
+    /// `create` found the key already present. Read it and update it instead.
+    #[error("lease {key:?} already exists")]
+    AlreadyExists {
+        /// The key.
+        key: String,
+    },
+
+    /// A compare-and-swap (`update` or `delete`) found a different version than expected: someone
+    /// else changed the record first. Read it again and decide anew.
+    #[error("lease {key:?} was changed concurrently (expected version {expected})")]
+    Conflict {
+        /// The key.
+        key: String,
+        /// The version the caller expected.
+        expected: Version,
+    },
+
+    /// `update` or `delete` found no record under the key.
+    #[error("lease {key:?} does not exist")]
+    NotFound {
+        /// The key.
+        key: String,
+    },
+
+    /// The bytes stored under the key are not a lease record in leasehold's format (someone else
+    /// wrote them, or they were truncated). The elector treats such a key as held by an unknown
+    /// holder and takes it over only after it stayed unchanged for a whole lease duration.
+    #[error("lease {key:?} holds data that is not a lease record: {reason}")]
+    Corrupt {
+        /// The key.
+        key: String,
+        /// What was wrong with the data.
+        reason: String,
+        /// The version of the corrupt data, when the store can tell it, so that it can be
+        /// replaced by compare-and-swap.
+        version: Option<Version>,
+    },
+
+    /// A store operation did not finish in time. It may or may not have taken effect; retrying is
+    /// safe because every write is a compare-and-swap.
+    #[error("{store} {operation} timed out after {after:?}")]
+    Timeout {
+        /// The store's name (for example `"redis"`).
+        store: &'static str,
+        /// The operation (for example `"update"`).
+        operation: &'static str,
+        /// How long it was given.
+        after: Duration,
+    },
+
+    /// The store could not be reached or answered with a transient failure (connection refused,
+    /// reset, no quorum, server busy). Retry with backoff.
+    #[error("{store} is unavailable: {message}")]
+    Unavailable {
+        /// The store's name.
+        store: &'static str,
+        /// What happened, in words.
+        message: String,
+        /// The client library's error, if any.
+        #[source]
+        source: Option<BoxError>,
+    },
+
+    /// The store refused the credentials (authentication failed). Fix the credentials; retrying
+    /// will not help.
+    #[error("{store} rejected the credentials: {message}")]
+    Unauthenticated {
+        /// The store's name.
+        store: &'static str,
+        /// What the store said, with a hint on what to fix.
+        message: String,
+    },
+
+    /// The credentials are valid but lack a permission. The message names what is missing.
+    #[error("{store} denied permission: {message}")]
+    PermissionDenied {
+        /// The store's name.
+        store: &'static str,
+        /// What the store said, with the permission that is missing.
+        message: String,
+    },
+
+    /// The store rejected the request as invalid (for example a name its server does not
+    /// accept). Do not retry.
+    #[error("{store} rejected the request as invalid: {message}")]
+    Invalid {
+        /// The store's name.
+        store: &'static str,
+        /// What the store said.
+        message: String,
+    },
+
+    /// The store does not offer this operation (see [`Capabilities`](crate::Capabilities)).
+    #[error("{store} does not support {operation}")]
+    Unsupported {
+        /// The store's name.
+        store: &'static str,
+        /// The operation.
+        operation: &'static str,
+    },
+
+    /// The store failed in a way none of the other variants describe.
+    #[error("{store} failed: {message}")]
+    Store {
+        /// The store's name.
+        store: &'static str,
+        /// What happened, in words.
+        message: String,
+        /// Whether the caller may retry the operation as it is.
+        retryable: bool,
+        /// The client library's error, if any.
+        #[source]
+        source: Option<BoxError>,
+    },
+
+    /// The elector has been shut down; the call cannot be served any more.
+    #[error("the elector for lease {key:?} has shut down")]
+    Shutdown {
+        /// The elector's lease key.
+        key: String,
+    },
+
+    /// A health check failed: the elector believes it leads but has not renewed in time.
+    #[error(
+        "elector {identity:?} believes it leads lease {key:?} but its last successful renewal was {since:?} ago (renew deadline {renew_deadline:?})"
+    )]
+    Unhealthy {
+        /// The lease key.
+        key: String,
+        /// The elector's identity.
+        identity: String,
+        /// Time since the last successful renewal was sent.
+        since: Duration,
+        /// The configured renew deadline.
+        renew_deadline: Duration,
+    },
+}
+
+// === impl Error ===
+
+impl Error {
+    /// Whether the failed operation may be retried as it is (possibly after a backoff).
+    ///
+    /// Conflicts and `AlreadyExists` are not retryable as they are: the caller must read the
+    /// record again first.
+    pub fn is_retryable(&self) -> bool {
+        match self {
+            Error::Timeout { .. } | Error::Unavailable { .. } => true,
+            Error::Store { retryable, .. } => *retryable,
+            _ => false,
+        }
+    }
+
+    /// Builds an [`Error::Unavailable`] from a store name and a source error.
+    pub fn unavailable(
+        store: &'static str,
+        source: impl Into<BoxError>,
+    ) -> Self {
+        let source = source.into();
+        Error::Unavailable {
+            store,
+            message: source.to_string(),
+            source: Some(source),
+        }
+    }
+}

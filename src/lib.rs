@@ -1,0 +1,22 @@
+//! leasehold: leader election and leases for Rust controllers.
+//!
+//! A generic [`Elector`] owns all timing (acquire, renew, expire, step down, release) over a
+//! pluggable [`LeaseStore`]. See the README for the overview.
+#![cfg_attr(docsrs, feature(doc_cfg))]
+
+pub mod codec;
+pub mod error;
+pub mod fault;
+pub mod memory;
+pub mod store;
+
+#[cfg(feature = "conformance")]
+#[cfg_attr(docsrs, doc(cfg(feature = "conformance")))]
+pub mod conformance;
+
+pub use error::{BoxError, Error, Result};
+pub use memory::MemoryStore;
+pub use store::{
+    Capabilities, DynLeaseStore, KeyPrefix, LeaseKey, LeaseRecord, LeaseStore, Version, Versioned,
+    WatchEvent, WatchStream,
+};
