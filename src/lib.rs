@@ -20,3 +20,12 @@ pub use store::{
     Capabilities, DynLeaseStore, KeyPrefix, LeaseKey, LeaseRecord, LeaseStore, Version, Versioned,
     WatchEvent, WatchStream,
 };
+
+pub mod elector;
+pub mod status;
+
+pub use elector::{Elector, ElectorConfig, default_identity};
+pub use status::{LeaderStatus, Leadership, StatusCell, StatusChanged, StatusSource, StopCause};
+pub mod tasks;
+pub use tasks::{LeaderContext, run_leader_tasks};
+pub mod k0s;

@@ -1,0 +1,1 @@
+//! The k0s compatibility layer (work in progress).

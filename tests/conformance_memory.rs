@@ -1,0 +1,9 @@
+//! The shared conformance suite against the in-memory store.
+
+use std::sync::Arc;
+
+async fn make_store() -> leasehold::DynLeaseStore {
+    Arc::new(leasehold::MemoryStore::new())
+}
+
+leasehold::conformance_suite!(make_store);
