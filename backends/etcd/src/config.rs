@@ -1,0 +1,270 @@
+//! [`EtcdConfig`]: endpoints, key prefix, timeouts, TLS and credentials.
+
+use std::fmt;
+use std::path::Path;
+use std::time::Duration;
+
+use crate::error::EtcdError;
+
+/// The default key prefix: records live under `/leasehold/<key>`.
+pub const DEFAULT_PREFIX: &str = "/leasehold/";
+
+/// How to reach etcd: endpoints, key prefix, timeouts, TLS and credentials.
+///
+/// Credentials and private keys never appear in its `Debug` output.
+///
+/// ```
+/// use std::time::Duration;
+/// use leasehold_etcd::EtcdConfig;
+/// let config = EtcdConfig::new(["http://127.0.0.1:2379", "http://127.0.0.1:22379"])
+///     .with_prefix("/my-app/leases/")
+///     .with_operation_timeout(Duration::from_secs(2))
+///     .with_user("app", "s3cret");
+/// assert!(!format!("{config:?}").contains("s3cret"));
+/// ```
+#[derive(Clone)]
+pub struct EtcdConfig {
+    pub(crate) endpoints: Vec<String>,
+    pub(crate) prefix: String,
+    pub(crate) operation_timeout: Duration,
+    pub(crate) connect_timeout: Duration,
+    pub(crate) keep_alive: Duration,
+    pub(crate) credentials: Option<Credentials>,
+    pub(crate) tls: Option<TlsConfig>,
+}
+
+// === impl EtcdConfig ===
+
+impl EtcdConfig {
+    /// A configuration for these endpoints (`http://host:port`, `https://host:port` or
+    /// `host:port`), with the default prefix [`DEFAULT_PREFIX`], a 5 s operation timeout, a 5 s
+    /// connect timeout and HTTP/2 keep-alive pings every 5 s.
+    ///
+    /// The client spreads requests over all endpoints and skips unreachable ones.
+    pub fn new<I, S>(endpoints: I) -> Self
+    where
+        I: IntoIterator<Item = S>,
+        S: Into<String>,
+    {
+        EtcdConfig {
+            endpoints: endpoints.into_iter().map(Into::into).collect(),
+            prefix: DEFAULT_PREFIX.to_owned(),
+            operation_timeout: Duration::from_secs(5),
+            connect_timeout: Duration::from_secs(5),
+            keep_alive: Duration::from_secs(5),
+            credentials: None,
+            tls: None,
+        }
+    }
+
+    /// The etcd key prefix under which records are stored (`<prefix><lease key>`). Give each
+    /// application its own prefix; it should end with a separator such as `/`.
+    pub fn with_prefix(mut self, prefix: impl Into<String>) -> Self {
+        self.prefix = prefix.into();
+        self
+    }
+
+    /// The longest any single operation may take before it fails with
+    /// [`leasehold::Error::Timeout`]. Keep it below the elector's renew deadline.
+    pub fn with_operation_timeout(mut self, timeout: Duration) -> Self {
+        self.operation_timeout = timeout;
+        self
+    }
+
+    /// The longest connecting to one endpoint may take.
+    pub fn with_connect_timeout(mut self, timeout: Duration) -> Self {
+        self.connect_timeout = timeout;
+        self
+    }
+
+    /// The interval of HTTP/2 keep-alive pings; a connection whose pings go unanswered for the
+    /// operation timeout is dropped, so a watch on a hung member fails over.
+    pub fn with_keep_alive(mut self, interval: Duration) -> Self {
+        self.keep_alive = interval;
+        self
+    }
+
+    /// Authenticates as `user` with `password` (etcd's user/password authentication).
+    pub fn with_user(mut self, user: impl Into<String>, password: impl Into<String>) -> Self {
+        self.credentials = Some(Credentials {
+            user: user.into(),
+            password: password.into(),
+        });
+        self
+    }
+
+    /// Uses TLS (endpoints then should be `https://…`).
+    pub fn with_tls(mut self, tls: TlsConfig) -> Self {
+        self.tls = Some(tls);
+        self
+    }
+
+    /// The configured key prefix.
+    pub fn prefix(&self) -> &str {
+        &self.prefix
+    }
+
+    /// The configured endpoints.
+    pub fn endpoints(&self) -> &[String] {
+        &self.endpoints
+    }
+
+    pub(crate) fn validate(&self) -> Result<(), EtcdError> {
+        if self.endpoints.is_empty() {
+            return Err(EtcdError::InvalidConfig(
+                "at least one endpoint is needed".into(),
+            ));
+        }
+        if self.prefix.is_empty() {
+            return Err(EtcdError::InvalidConfig(
+                "the key prefix must not be empty (the default is \"/leasehold/\")".into(),
+            ));
+        }
+        for (name, d) in [
+            ("operation timeout", self.operation_timeout),
+            ("connect timeout", self.connect_timeout),
+            ("keep-alive interval", self.keep_alive),
+        ] {
+            if d.is_zero() {
+                return Err(EtcdError::InvalidConfig(format!(
+                    "the {name} must not be zero"
+                )));
+            }
+        }
+        if let Some(c) = &self.credentials
+            && c.user.is_empty()
+        {
+            return Err(EtcdError::InvalidConfig(
+                "the user name must not be empty".into(),
+            ));
+        }
+        Ok(())
+    }
+}
+
+impl fmt::Debug for EtcdConfig {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("EtcdConfig")
+            .field("endpoints", &self.endpoints)
+            .field("prefix", &self.prefix)
+            .field("operation_timeout", &self.operation_timeout)
+            .field("connect_timeout", &self.connect_timeout)
+            .field("keep_alive", &self.keep_alive)
+            .field("credentials", &self.credentials)
+            .field("tls", &self.tls)
+            .finish()
+    }
+}
+
+/// A user name and password. `Debug` shows the user name only.
+#[derive(Clone)]
+pub(crate) struct Credentials {
+    pub(crate) user: String,
+    pub(crate) password: String,
+}
+
+impl fmt::Debug for Credentials {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Credentials")
+            .field("user", &self.user)
+            .field("password", &"<redacted>")
+            .finish()
+    }
+}
+
+/// TLS settings: the CA that signed the servers' certificates and, for mutual TLS, a client
+/// certificate and private key (all PEM). `Debug` never shows the private key.
+#[derive(Clone, Default)]
+pub struct TlsConfig {
+    pub(crate) ca_pem: Option<Vec<u8>>,
+    pub(crate) identity: Option<(Vec<u8>, Vec<u8>)>,
+    pub(crate) domain_name: Option<String>,
+}
+
+// === impl TlsConfig ===
+
+impl TlsConfig {
+    /// TLS that trusts the CA given with [`with_ca_pem`](Self::with_ca_pem).
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Trusts this CA certificate (PEM) for the servers' certificates.
+    pub fn with_ca_pem(mut self, pem: impl Into<Vec<u8>>) -> Self {
+        self.ca_pem = Some(pem.into());
+        self
+    }
+
+    /// Presents this client certificate and private key (both PEM) for mutual TLS. With
+    /// etcd's `--client-cert-auth` and authentication enabled, the certificate's common name is
+    /// the etcd user.
+    pub fn with_client_identity_pem(
+        mut self,
+        cert: impl Into<Vec<u8>>,
+        key: impl Into<Vec<u8>>,
+    ) -> Self {
+        self.identity = Some((cert.into(), key.into()));
+        self
+    }
+
+    /// Verifies the servers' certificates against this name instead of the endpoint's host.
+    pub fn with_domain_name(mut self, name: impl Into<String>) -> Self {
+        self.domain_name = Some(name.into());
+        self
+    }
+
+    /// Reads the CA certificate and, if given, the client certificate and key from PEM files.
+    ///
+    /// # Errors
+    /// [`EtcdError::ReadFile`] naming the file that could not be read.
+    pub fn from_files(
+        ca: impl AsRef<Path>,
+        client: Option<(&Path, &Path)>,
+    ) -> Result<Self, EtcdError> {
+        let read = |what: &'static str, p: &Path| {
+            std::fs::read(p).map_err(|source| EtcdError::ReadFile {
+                what,
+                path: p.to_owned(),
+                source,
+            })
+        };
+        let mut tls = TlsConfig::new().with_ca_pem(read("CA certificate", ca.as_ref())?);
+        if let Some((cert, key)) = client {
+            tls = tls.with_client_identity_pem(
+                read("client certificate", cert)?,
+                read("client private key", key)?,
+            );
+        }
+        Ok(tls)
+    }
+
+    pub(crate) fn to_options(&self) -> etcd_client::TlsOptions {
+        let mut o = etcd_client::TlsOptions::new();
+        if let Some(ca) = &self.ca_pem {
+            o = o.ca_certificate(etcd_client::Certificate::from_pem(ca));
+        }
+        if let Some((cert, key)) = &self.identity {
+            o = o.identity(etcd_client::Identity::from_pem(cert, key));
+        }
+        if let Some(d) = &self.domain_name {
+            o = o.domain_name(d.clone());
+        }
+        o
+    }
+}
+
+impl fmt::Debug for TlsConfig {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("TlsConfig")
+            .field("ca", &self.ca_pem.as_ref().map(|_| "<pem>"))
+            .field(
+                "client_identity",
+                &self
+                    .identity
+                    .as_ref()
+                    .map(|_| "<certificate and redacted key>"),
+            )
+            .field("domain_name", &self.domain_name)
+            .finish()
+    }
+}

@@ -1,0 +1,74 @@
+//! leasehold-etcd: a [`LeaseStore`](leasehold::LeaseStore) on etcd v3, for etcd-only clusters
+//! and anyone who wants the strongest guarantees.
+//!
+//! ```no_run
+//! # async fn demo() -> leasehold::Result<()> {
+//! use std::sync::Arc;
+//! use leasehold::{DynLeaseStore, LeaseKey, LeaseStore};
+//! use leasehold_etcd::{EtcdConfig, EtcdStore};
+//!
+//! let config = EtcdConfig::new(["http://127.0.0.1:2379"]).with_prefix("/my-app/leases/");
+//! let store: DynLeaseStore = Arc::new(EtcdStore::connect(config).await?);
+//! let current = store.get(&LeaseKey::new("controller")?).await?;
+//! # let _ = current; Ok(()) }
+//! ```
+//!
+//! # How records are kept
+//!
+//! - A lease `key` is the etcd key `<prefix><key>` (default prefix `/leasehold/`); the value is
+//!   the JSON record of [`leasehold::codec`] (client-go's `LeaderElectionRecord`).
+//! - The [`Version`](leasehold::Version) is the key's `mod_revision`.
+//! - `create` is a transaction comparing `create_revision == 0`; `update` and `delete` compare
+//!   `mod_revision == expected` and, when the compare fails, read the key in the same
+//!   transaction to tell `Conflict` from `NotFound` in one round trip.
+//! - `watch` uses etcd's watch from the revision after the one the caller saw, and resumes
+//!   after compaction, member restarts and broken streams (see [`EtcdStore`]'s `watch`).
+//! - `list` is one range read over `<prefix><key prefix>`; keys with data that is not a record
+//!   are left out and logged.
+//! - Data under a key that is not a record is [`leasehold::Error::Corrupt`] with the data's
+//!   `mod_revision`, so the elector can replace it by compare-and-swap.
+//!
+//! # Fencing
+//!
+//! The fencing token leasehold hands to leader tasks (the record's `transitions`) is **strictly
+//! increasing** across terms on etcd, because every acquisition is a linearizable
+//! compare-and-swap on the previous version. If the resources you protect live in the same
+//! etcd, you can also fence with etcd's own revision, as `etcdctl lock` does with
+//! `ETCD_LOCK_REV`: the version returned by the acquiring `create`/`update` is that write's
+//! `mod_revision` (parse it with [`revision`]); guard your writes with a transaction comparing
+//! the lease key's `mod_revision` ([`EtcdStore::etcd_key`], [`EtcdStore::client`]).
+//!
+//! # Failures and timeouts
+//!
+//! Every operation is bounded by the operation timeout ([`leasehold::Error::Timeout`]).
+//! Connection failures, "no leader" and "leader changed" are
+//! [`leasehold::Error::Unavailable`] (retryable). Wrong credentials are
+//! [`leasehold::Error::Unauthenticated`], missing permissions
+//! [`leasehold::Error::PermissionDenied`], each with a hint on what to fix. The client uses
+//! etcd's "require leader" mode, so a member that lost quorum fails requests and watches
+//! instead of serving stale data, and HTTP/2 keep-alive pings, so a hung member is noticed.
+//!
+//! # Security
+//!
+//! TLS with a custom CA and client certificates ([`TlsConfig`]) and etcd's user/password
+//! authentication ([`EtcdConfig::with_user`]). Passwords and private keys never appear in
+//! `Debug` output, errors or logs.
+//!
+//! # Building
+//!
+//! `etcd-client` compiles etcd's protobuf definitions at build time and needs `protoc`
+//! (Debian/Ubuntu: `apt-get install protobuf-compiler`).
+#![cfg_attr(docsrs, feature(doc_cfg))]
+
+mod config;
+mod error;
+mod store;
+mod watch;
+
+pub use config::{DEFAULT_PREFIX, EtcdConfig, TlsConfig};
+pub use error::EtcdError;
+pub use etcd_client;
+pub use store::{EtcdStore, revision};
+
+/// The store's name in errors and logs.
+pub(crate) const STORE: &str = "etcd";

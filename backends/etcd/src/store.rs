@@ -1,0 +1,364 @@
+//! [`EtcdStore`]: the [`LeaseStore`] over etcd's v3 API.
+
+use std::fmt;
+use std::future::Future;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use etcd_client::{
+    Client, Compare, CompareOp, ConnectOptions, GetOptions, KeyValue, SortOrder, SortTarget, Txn,
+    TxnOp, TxnOpResponse,
+};
+use leasehold::{
+    Capabilities, Error, KeyPrefix, LeaseKey, LeaseRecord, LeaseStore, Result, Version, Versioned,
+    WatchStream, codec,
+};
+
+use crate::STORE;
+use crate::config::EtcdConfig;
+use crate::error::{EtcdError, from_client};
+
+/// A [`LeaseStore`] on etcd.
+///
+/// Each record is the JSON of [`leasehold::codec`] under the etcd key `<prefix><lease key>`; its
+/// [`Version`] is the key's `mod_revision`. Writes are transactions that compare
+/// `create_revision == 0` (create) or `mod_revision == expected` (update, delete), so they are
+/// linearizable compare-and-swaps. Cheap to clone; clones share the connection.
+///
+/// # Fencing
+///
+/// The elector's fencing token (the record's `transitions`) is strictly increasing across terms
+/// on etcd: every acquisition is a linearizable compare-and-swap on the previous version, so no
+/// two acquisitions can both build on the same record. For resources that live **in the same
+/// etcd**, etcd's own revision is an even stronger token: the [`Version`] returned by
+/// [`create`](LeaseStore::create) and [`update`](LeaseStore::update) is the `mod_revision` of
+/// the write, which is store-wide strictly increasing (like `ETCD_LOCK_REV` that `etcdctl lock`
+/// exports). Parse it with [`revision`] and guard your own writes with
+/// `Compare::mod_revision(<prefix><key>, CompareOp::Equal, rev)` in the same transaction
+/// (see [`EtcdStore::etcd_key`] and [`EtcdStore::client`]).
+#[derive(Clone)]
+pub struct EtcdStore {
+    pub(crate) client: Client,
+    pub(crate) prefix: String,
+    pub(crate) timeout: Duration,
+    config: EtcdConfig,
+}
+
+/// Parses a [`Version`] from this store as the etcd revision it is (the record's
+/// `mod_revision`); `None` for a version that is not a positive revision.
+///
+/// ```
+/// assert_eq!(leasehold_etcd::revision(&leasehold::Version::from(42u64)), Some(42));
+/// ```
+pub fn revision(version: &Version) -> Option<i64> {
+    version.as_str().parse::<i64>().ok().filter(|r| *r > 0)
+}
+
+// === impl EtcdStore ===
+
+impl EtcdStore {
+    /// Connects to etcd. With credentials it authenticates right away, so wrong credentials fail
+    /// here; without them the connection is made lazily by the first operation.
+    ///
+    /// # Errors
+    /// [`EtcdError::InvalidConfig`] for a bad configuration, [`EtcdError::Connect`] carrying
+    /// [`Error::Unauthenticated`], [`Error::Unavailable`] or [`Error::Timeout`] when connecting
+    /// or authenticating failed.
+    ///
+    /// # Cancel safety
+    /// Cancel safe: dropping the future only abandons the connection attempt.
+    pub async fn connect(config: EtcdConfig) -> std::result::Result<Self, EtcdError> {
+        config.validate()?;
+        let mut options = ConnectOptions::new()
+            .with_connect_timeout(config.connect_timeout)
+            .with_keep_alive(config.keep_alive, config.operation_timeout)
+            .with_keep_alive_while_idle(true)
+            .with_require_leader(true)
+            .with_auto_token_refresh(true);
+        if let Some(c) = &config.credentials {
+            options = options.with_user(c.user.clone(), c.password.clone());
+        }
+        if let Some(tls) = &config.tls {
+            options = options.with_tls(tls.to_options());
+        }
+        // Authentication (with credentials) happens inside connect; bound it like any operation.
+        let limit = config.connect_timeout + config.operation_timeout;
+        let client =
+            match tokio::time::timeout(limit, Client::connect(&config.endpoints, Some(options)))
+                .await
+            {
+                Ok(Ok(c)) => c,
+                Ok(Err(e)) => return Err(EtcdError::Connect(from_client("connect", e))),
+                Err(_) => {
+                    return Err(EtcdError::Connect(Error::Timeout {
+                        store: STORE,
+                        operation: "connect",
+                        after: limit,
+                    }));
+                }
+            };
+        tracing::debug!(endpoints = ?config.endpoints, prefix = %config.prefix, "connected to etcd");
+        Ok(EtcdStore {
+            client,
+            prefix: config.prefix.clone(),
+            timeout: config.operation_timeout,
+            config,
+        })
+    }
+
+    /// The etcd key a lease key is stored under: `<prefix><key>`.
+    pub fn etcd_key(&self, key: &LeaseKey) -> String {
+        format!("{}{}", self.prefix, key.as_str())
+    }
+
+    /// The underlying `etcd-client` client, for fencing your own writes with the lease's
+    /// revision in one transaction.
+    pub fn client(&self) -> &Client {
+        &self.client
+    }
+
+    /// The configured key prefix.
+    pub fn prefix(&self) -> &str {
+        &self.prefix
+    }
+
+    /// Runs one etcd call bounded by the operation timeout.
+    ///
+    /// A call that failed to *connect* (so it never reached a server) is repeated on another
+    /// endpoint within the same time bound: the client's balancer may still pick a member that
+    /// just went down. Nothing else is retried here.
+    pub(crate) async fn bounded<T, F, Fut>(&self, operation: &'static str, mut call: F) -> Result<T>
+    where
+        F: FnMut() -> Fut,
+        Fut: Future<Output = std::result::Result<T, etcd_client::Error>>,
+    {
+        let attempts = async {
+            let mut tries = 0u32;
+            loop {
+                match call().await {
+                    Ok(v) => return Ok(v),
+                    Err(e) if tries < MAX_CONNECT_RETRIES && is_connect_error(&e) => {
+                        tries += 1;
+                        tracing::debug!(operation, error = %crate::error::chain(&e), "etcd endpoint unreachable; trying another");
+                        tokio::time::sleep(Duration::from_millis(10 * u64::from(tries))).await;
+                    }
+                    Err(e) => return Err(from_client(operation, e)),
+                }
+            }
+        };
+        match tokio::time::timeout(self.timeout, attempts).await {
+            Ok(r) => r,
+            Err(_) => Err(Error::Timeout {
+                store: STORE,
+                operation,
+                after: self.timeout,
+            }),
+        }
+    }
+
+    /// Compare-and-swap: `op` runs only when the key's `mod_revision` is `expected`; otherwise a
+    /// get in the same transaction tells `Conflict` from `NotFound`.
+    async fn cas(
+        &self,
+        operation: &'static str,
+        key: &LeaseKey,
+        expected: &Version,
+        op: TxnOp,
+    ) -> Result<i64> {
+        let full = self.etcd_key(key);
+        let probe = || TxnOp::get(full.clone(), Some(GetOptions::new().with_keys_only()));
+        let kv = self.client.kv_client();
+        // A missing key has mod_revision 0, so only a positive revision may be compared; any
+        // other version matches nothing and only the probe runs.
+        let resp = match revision(expected) {
+            Some(rev) => {
+                let txn = Txn::new()
+                    .when([Compare::mod_revision(full.clone(), CompareOp::Equal, rev)])
+                    .and_then([op])
+                    .or_else([probe()]);
+                let resp = self
+                    .bounded(operation, || {
+                        let (mut kv, txn) = (kv.clone(), txn.clone());
+                        async move { kv.txn(txn).await }
+                    })
+                    .await?;
+                if resp.succeeded() {
+                    return Ok(resp.header().map(|h| h.revision()).unwrap_or_default());
+                }
+                resp
+            }
+            None => {
+                let txn = Txn::new().and_then([probe()]);
+                self.bounded(operation, || {
+                    let (mut kv, txn) = (kv.clone(), txn.clone());
+                    async move { kv.txn(txn).await }
+                })
+                .await?
+            }
+        };
+        let exists = resp.op_responses().into_iter().any(|r| match r {
+            TxnOpResponse::Get(g) => !g.kvs().is_empty(),
+            _ => false,
+        });
+        if exists {
+            Err(Error::Conflict {
+                key: key.to_string(),
+                expected: expected.clone(),
+            })
+        } else {
+            Err(Error::NotFound {
+                key: key.to_string(),
+            })
+        }
+    }
+}
+
+const MAX_CONNECT_RETRIES: u32 = 8;
+
+/// Whether the call failed before reaching any server (connection refused, TLS handshake).
+fn is_connect_error(e: &etcd_client::Error) -> bool {
+    match e {
+        etcd_client::Error::TransportError(_) => true,
+        etcd_client::Error::GRpcStatus(s) if s.code() as i32 == 14 => {
+            let m = s.message();
+            m.contains("tcp connect error")
+                || m.contains("error trying to connect")
+                || m.contains("Connection refused")
+                || m.contains("transport error")
+        }
+        _ => false,
+    }
+}
+
+/// The record in `kv`, or `Corrupt` naming the key and the data's `mod_revision`.
+pub(crate) fn decode_kv(key: &LeaseKey, kv: &KeyValue) -> Result<Versioned> {
+    let version = Version::from(kv.mod_revision());
+    let record = codec::decode(key, kv.value(), Some(&version))?;
+    Ok(Versioned { record, version })
+}
+
+impl fmt::Debug for EtcdStore {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("EtcdStore")
+            .field("config", &self.config)
+            .finish_non_exhaustive()
+    }
+}
+
+#[async_trait]
+impl LeaseStore for EtcdStore {
+    fn name(&self) -> &'static str {
+        STORE
+    }
+
+    fn capabilities(&self) -> Capabilities {
+        Capabilities::WATCH
+    }
+
+    async fn get(&self, key: &LeaseKey) -> Result<Option<Versioned>> {
+        let resp = self
+            .bounded("get", || {
+                let (mut kv, k) = (self.client.kv_client(), self.etcd_key(key));
+                async move { kv.get(k, None).await }
+            })
+            .await?;
+        match resp.kvs().first() {
+            None => Ok(None),
+            Some(kv) => decode_kv(key, kv).map(Some),
+        }
+    }
+
+    async fn create(&self, key: &LeaseKey, record: &LeaseRecord) -> Result<Version> {
+        let full = self.etcd_key(key);
+        let txn = Txn::new()
+            .when([Compare::create_revision(full.clone(), CompareOp::Equal, 0)])
+            .and_then([TxnOp::put(full, codec::encode(record), None)]);
+        let resp = self
+            .bounded("create", || {
+                let (mut kv, txn) = (self.client.kv_client(), txn.clone());
+                async move { kv.txn(txn).await }
+            })
+            .await?;
+        if !resp.succeeded() {
+            return Err(Error::AlreadyExists {
+                key: key.to_string(),
+            });
+        }
+        header_version("create", resp.header())
+    }
+
+    async fn update(
+        &self,
+        key: &LeaseKey,
+        record: &LeaseRecord,
+        expected: &Version,
+    ) -> Result<Version> {
+        let op = TxnOp::put(self.etcd_key(key), codec::encode(record), None);
+        let rev = self.cas("update", key, expected, op).await?;
+        positive("update", rev)
+    }
+
+    async fn delete(&self, key: &LeaseKey, expected: &Version) -> Result<()> {
+        let op = TxnOp::delete(self.etcd_key(key), None);
+        self.cas("delete", key, expected, op).await.map(|_| ())
+    }
+
+    async fn watch(&self, key: &LeaseKey, after: Option<&Version>) -> Result<WatchStream> {
+        crate::watch::start(self.clone(), key.clone(), after.cloned()).await
+    }
+
+    async fn list(&self, prefix: &KeyPrefix) -> Result<Vec<(LeaseKey, Versioned)>> {
+        let range = format!("{}{}", self.prefix, prefix.as_str());
+        let options = GetOptions::new()
+            .with_prefix()
+            .with_sort(SortTarget::Key, SortOrder::Ascend);
+        let resp = self
+            .bounded("list", || {
+                let (mut kv, range, options) =
+                    (self.client.kv_client(), range.clone(), options.clone());
+                async move { kv.get(range, Some(options)).await }
+            })
+            .await?;
+        let mut out = Vec::with_capacity(resp.kvs().len());
+        for kv in resp.kvs() {
+            let Some(name) = kv.key().strip_prefix(self.prefix.as_bytes()) else {
+                continue;
+            };
+            let Ok(key) = std::str::from_utf8(name)
+                .map_err(|_| ())
+                .and_then(|s| LeaseKey::new(s).map_err(|_| ()))
+            else {
+                tracing::warn!(etcd_key = %String::from_utf8_lossy(kv.key()), "list: leaving out an etcd key that is not a valid lease key");
+                continue;
+            };
+            match decode_kv(&key, kv) {
+                Ok(v) => out.push((key, v)),
+                Err(e) => {
+                    tracing::warn!(key = %key, error = %e, "list: leaving out a key with corrupt data")
+                }
+            }
+        }
+        out.sort_by(|a, b| a.0.cmp(&b.0));
+        Ok(out)
+    }
+}
+
+fn positive(operation: &'static str, rev: i64) -> Result<Version> {
+    if rev > 0 {
+        Ok(Version::from(rev))
+    } else {
+        Err(Error::Store {
+            store: STORE,
+            message: format!("{operation}: etcd answered without a response header revision"),
+            retryable: true,
+            source: None,
+        })
+    }
+}
+
+fn header_version(
+    operation: &'static str,
+    header: Option<&etcd_client::ResponseHeader>,
+) -> Result<Version> {
+    positive(operation, header.map(|h| h.revision()).unwrap_or_default())
+}

@@ -1,0 +1,378 @@
+//! Test fixture: real etcd servers on free loopback ports.
+//!
+//! Every etcd runs under a tiny `sh` supervisor whose stdin is a pipe held by the test process.
+//! The supervisor answers `stop`/`start` lines (to kill a member with SIGKILL and restart it on
+//! the same data dir) and, as soon as its stdin reaches end-of-file, kills etcd with SIGKILL and
+//! removes the data directory. The pipe closes when the test process exits for any reason, even
+//! when it is killed or a test panics, so no server outlives its test binary (statics are never
+//! dropped, so a `Drop` impl alone would not be enough). Data directories live in `/dev/shm`
+//! when it exists (fsync is cheap there), otherwise in the system temp dir.
+//!
+//! `LEASEHOLD_ETCD_ENDPOINTS` (comma-separated) points the tests that need a plain server at an
+//! existing cluster instead; tests that need a special setup (cluster, TLS, auth) always start
+//! their own and therefore need the `etcd` binary (`LEASEHOLD_ETCD_BIN`, default `etcd` on the
+//! PATH).
+
+#![allow(dead_code, clippy::unwrap_used)]
+
+use std::io::{BufRead, BufReader, Write};
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
+use std::sync::Mutex;
+use std::time::Duration;
+
+use leasehold_etcd::{EtcdConfig, EtcdStore};
+
+const SUPERVISOR: &str = r#"
+dir=$1; shift
+bin=$1; shift
+run() { "$bin" "$@" >>"$dir/etcd.log" 2>&1 & pid=$!; }
+run "$@"
+echo started
+while read -r cmd; do
+  case "$cmd" in
+    stop) kill -9 "$pid" 2>/dev/null; wait "$pid" 2>/dev/null; echo stopped ;;
+    start) run "$@"; echo started ;;
+    *) break ;;
+  esac
+done
+kill -9 "$pid" 2>/dev/null; wait "$pid" 2>/dev/null
+rm -rf "$dir"
+"#;
+
+/// The etcd binary, or a panic that says what to install.
+pub fn etcd_binary() -> PathBuf {
+    if let Ok(p) = std::env::var("LEASEHOLD_ETCD_BIN") {
+        return PathBuf::from(p);
+    }
+    let found = std::env::var_os("PATH").and_then(|paths| {
+        std::env::split_paths(&paths)
+            .map(|d| d.join("etcd"))
+            .find(|p| p.is_file())
+    });
+    match found {
+        Some(p) => p,
+        None => panic!(
+            "the etcd server binary was not found on the PATH: install the Debian package \
+             `etcd-server` (apt-get install etcd-server; `etcd-client` provides etcdctl), set \
+             LEASEHOLD_ETCD_BIN to an etcd binary, or set LEASEHOLD_ETCD_ENDPOINTS to an \
+             existing cluster"
+        ),
+    }
+}
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("a free loopback port")
+}
+
+fn scratch_root() -> PathBuf {
+    let shm = Path::new("/dev/shm");
+    if shm.is_dir() {
+        shm.to_owned()
+    } else {
+        std::env::temp_dir()
+    }
+}
+
+/// Server-side TLS files (PEM).
+#[derive(Clone)]
+pub struct ServerTls {
+    pub ca_pem: String,
+    pub cert_pem: String,
+    pub key_pem: String,
+    /// Require client certificates signed by the CA.
+    pub client_cert_auth: bool,
+}
+
+struct Supervisor {
+    child: Child,
+    stdin: ChildStdin,
+    stdout: BufReader<ChildStdout>,
+}
+
+impl Supervisor {
+    fn command(&mut self, cmd: &str, ack: &str) {
+        writeln!(self.stdin, "{cmd}").expect("write to the etcd supervisor");
+        let mut line = String::new();
+        self.stdout
+            .read_line(&mut line)
+            .expect("read from the etcd supervisor");
+        assert_eq!(
+            line.trim(),
+            ack,
+            "etcd supervisor answered {line:?} to {cmd}"
+        );
+    }
+}
+
+impl Drop for Supervisor {
+    fn drop(&mut self) {
+        let _ = writeln!(self.stdin, "quit");
+        let _ = self.child.wait();
+    }
+}
+
+pub struct Member {
+    pub name: String,
+    pub client_url: String,
+    dir: PathBuf,
+    sup: Mutex<Supervisor>,
+}
+
+impl Member {
+    fn log_tail(&self) -> String {
+        let log = std::fs::read_to_string(self.dir.join("etcd.log")).unwrap_or_default();
+        let lines: Vec<&str> = log.lines().collect();
+        lines[lines.len().saturating_sub(30)..].join("\n")
+    }
+}
+
+/// One etcd server or cluster started by a test.
+pub struct Etcd {
+    pub members: Vec<Member>,
+    tls: Option<ServerTls>,
+}
+
+impl Etcd {
+    /// A single-member etcd.
+    pub async fn start() -> Etcd {
+        Self::start_cluster(1, None).await
+    }
+
+    /// A single-member etcd with TLS on the client port.
+    pub async fn start_tls(tls: ServerTls) -> Etcd {
+        Self::start_cluster(1, Some(tls)).await
+    }
+
+    /// An `n`-member cluster on loopback; returns when every member serves linearizable reads.
+    pub async fn start_cluster(n: usize, tls: Option<ServerTls>) -> Etcd {
+        let bin = etcd_binary();
+        let scheme = if tls.is_some() { "https" } else { "http" };
+        let ports: Vec<(u16, u16)> = (0..n).map(|_| (free_port(), free_port())).collect();
+        let initial: Vec<String> = ports
+            .iter()
+            .enumerate()
+            .map(|(i, (_, peer))| format!("m{i}=http://127.0.0.1:{peer}"))
+            .collect();
+        let token = format!("lh-{}-{}", std::process::id(), free_port());
+        let mut members = Vec::new();
+        for (i, (client, peer)) in ports.iter().enumerate() {
+            let dir = tempfile::Builder::new()
+                .prefix("leasehold-etcd-")
+                .tempdir_in(scratch_root())
+                .expect("a temp dir")
+                .keep();
+            let name = format!("m{i}");
+            let client_url = format!("{scheme}://127.0.0.1:{client}");
+            let mut args: Vec<String> = vec![
+                "--name".into(),
+                name.clone(),
+                "--data-dir".into(),
+                dir.join("data").display().to_string(),
+                "--listen-client-urls".into(),
+                client_url.clone(),
+                "--advertise-client-urls".into(),
+                client_url.clone(),
+                "--listen-peer-urls".into(),
+                format!("http://127.0.0.1:{peer}"),
+                "--initial-advertise-peer-urls".into(),
+                format!("http://127.0.0.1:{peer}"),
+                "--initial-cluster".into(),
+                initial.join(","),
+                "--initial-cluster-state".into(),
+                "new".into(),
+                "--initial-cluster-token".into(),
+                token.clone(),
+                "--heartbeat-interval".into(),
+                "50".into(),
+                "--election-timeout".into(),
+                "500".into(),
+            ];
+            if let Some(t) = &tls {
+                std::fs::write(dir.join("ca.pem"), &t.ca_pem).unwrap();
+                std::fs::write(dir.join("server.pem"), &t.cert_pem).unwrap();
+                std::fs::write(dir.join("server-key.pem"), &t.key_pem).unwrap();
+                for (flag, file) in [
+                    ("--cert-file", "server.pem"),
+                    ("--key-file", "server-key.pem"),
+                    ("--trusted-ca-file", "ca.pem"),
+                ] {
+                    args.push(flag.into());
+                    args.push(dir.join(file).display().to_string());
+                }
+                if t.client_cert_auth {
+                    args.push("--client-cert-auth".into());
+                }
+            }
+            let mut child = Command::new("sh")
+                .arg("-c")
+                .arg(SUPERVISOR)
+                .arg("sh")
+                .arg(&dir)
+                .arg(&bin)
+                .args(&args)
+                .stdin(Stdio::piped())
+                .stdout(Stdio::piped())
+                .stderr(Stdio::inherit())
+                .spawn()
+                .expect("start sh (the etcd supervisor)");
+            let stdin = child.stdin.take().unwrap();
+            let mut stdout = BufReader::new(child.stdout.take().unwrap());
+            let mut line = String::new();
+            stdout.read_line(&mut line).unwrap();
+            assert_eq!(line.trim(), "started");
+            members.push(Member {
+                name,
+                client_url,
+                dir,
+                sup: Mutex::new(Supervisor {
+                    child,
+                    stdin,
+                    stdout,
+                }),
+            });
+        }
+        let etcd = Etcd { members, tls };
+        for i in 0..n {
+            etcd.wait_ready(i).await;
+        }
+        etcd
+    }
+
+    pub fn endpoints(&self) -> Vec<String> {
+        self.members.iter().map(|m| m.client_url.clone()).collect()
+    }
+
+    /// A client configuration for all members (with the CA, when TLS is on).
+    pub fn config(&self) -> EtcdConfig {
+        self.config_for(&self.endpoints())
+    }
+
+    pub fn config_for(&self, endpoints: &[String]) -> EtcdConfig {
+        let mut c = EtcdConfig::new(endpoints.to_vec())
+            .with_operation_timeout(Duration::from_secs(2))
+            .with_connect_timeout(Duration::from_secs(1));
+        if let Some(t) = &self.tls {
+            c = c.with_tls(tls_client(t));
+        }
+        c
+    }
+
+    /// Waits (bounded) until member `i` answers a linearizable read.
+    pub async fn wait_ready(&self, i: usize) {
+        let m = &self.members[i];
+        let config = self.config_for(std::slice::from_ref(&m.client_url));
+        for _ in 0..300 {
+            if let Ok(status) = m.sup.lock().unwrap().child.try_wait()
+                && status.is_some()
+            {
+                panic!("the etcd supervisor of {} exited", m.name);
+            }
+            if let Ok(store) = EtcdStore::connect(config.clone()).await {
+                let mut kv = store.client().kv_client();
+                let read = tokio::time::timeout(Duration::from_secs(1), kv.get("health", None));
+                if let Ok(Ok(_)) = read.await {
+                    return;
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        panic!(
+            "etcd member {} ({}) did not become ready; log tail:\n{}",
+            m.name,
+            m.client_url,
+            m.log_tail()
+        );
+    }
+
+    /// Kills member `i` with SIGKILL (its data dir stays).
+    pub fn stop_member(&self, i: usize) {
+        self.members[i]
+            .sup
+            .lock()
+            .unwrap()
+            .command("stop", "stopped");
+    }
+
+    /// Restarts member `i` on its data dir (does not wait for it to be ready).
+    pub fn restart_member(&self, i: usize) {
+        self.members[i]
+            .sup
+            .lock()
+            .unwrap()
+            .command("start", "started");
+    }
+}
+
+/// A client TLS configuration trusting the server's CA (no client certificate).
+pub fn tls_client(t: &ServerTls) -> leasehold_etcd::TlsConfig {
+    leasehold_etcd::TlsConfig::new().with_ca_pem(t.ca_pem.clone())
+}
+
+/// Endpoints of the server shared by the plain tests of this test binary: the
+/// `LEASEHOLD_ETCD_ENDPOINTS` cluster, or one etcd started once per test binary.
+pub async fn shared_endpoints() -> Vec<String> {
+    static SHARED: tokio::sync::OnceCell<Vec<String>> = tokio::sync::OnceCell::const_new();
+    static SERVER: std::sync::OnceLock<Etcd> = std::sync::OnceLock::new();
+    SHARED
+        .get_or_init(|| async {
+            if let Ok(list) = std::env::var("LEASEHOLD_ETCD_ENDPOINTS") {
+                let eps: Vec<String> = list
+                    .split(',')
+                    .map(|s| s.trim().to_owned())
+                    .filter(|s| !s.is_empty())
+                    .collect();
+                if !eps.is_empty() {
+                    return eps;
+                }
+            }
+            let etcd = Etcd::start().await;
+            let eps = etcd.endpoints();
+            let _ = SERVER.set(etcd);
+            eps
+        })
+        .await
+        .clone()
+}
+
+/// A unique prefix per call, so tests never collide on a shared server.
+pub fn unique_prefix() -> String {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static N: AtomicU64 = AtomicU64::new(0);
+    format!(
+        "/leasehold-test/{}-{}-{}/",
+        std::process::id(),
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos())
+            .unwrap_or_default(),
+        N.fetch_add(1, Ordering::Relaxed)
+    )
+}
+
+/// A store on the shared server under a fresh prefix.
+pub async fn shared_store() -> EtcdStore {
+    let eps = shared_endpoints().await;
+    let config = EtcdConfig::new(eps)
+        .with_prefix(unique_prefix())
+        .with_operation_timeout(Duration::from_secs(5));
+    EtcdStore::connect(config).await.expect("connect to etcd")
+}
+
+pub fn record(holder: &str, transitions: u64) -> leasehold::LeaseRecord {
+    leasehold::LeaseRecord {
+        holder_identity: holder.to_owned(),
+        lease_duration: Duration::from_secs(15),
+        acquire_time: Some(
+            std::time::SystemTime::UNIX_EPOCH + Duration::from_micros(1_700_000_000_123_456),
+        ),
+        renew_time: Some(
+            std::time::SystemTime::UNIX_EPOCH + Duration::from_micros(1_700_000_001_123_456),
+        ),
+        transitions,
+    }
+}
