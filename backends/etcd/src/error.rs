@@ -159,11 +159,38 @@ pub(crate) fn from_status(operation: &'static str, code: Code, message: &str) ->
     }
 }
 
+/// Whether a status message describes a failed connection rather than a server answer.
+pub(crate) fn is_transport_message(message: &str) -> bool {
+    let m = message.to_ascii_lowercase();
+    m.contains("transport error")
+        || m.contains("tcp connect error")
+        || m.contains("error trying to connect")
+        || m.contains("connection refused")
+        || m.contains("connection reset")
+        || m.contains("broken pipe")
+        || m.contains("handshake")
+}
+
 /// Maps an `etcd-client` error onto a leasehold error.
 pub(crate) fn from_client(operation: &'static str, e: ClientError) -> leasehold::Error {
     match e {
         ClientError::GRpcStatus(status) => {
-            from_status(operation, status.code() as i32, status.message())
+            // Connection-level failures come as a status whose source says what went wrong
+            // (TLS handshake, refused connection); keep that in the message.
+            let mut message = status.message().to_owned();
+            if let Some(source) = StdError::source(&status) {
+                let detail = chain(source);
+                if !message.contains(&detail) {
+                    message = format!("{message}: {detail}");
+                }
+            }
+            let code = status.code() as i32;
+            let code = if code == grpc::UNKNOWN && is_transport_message(&message) {
+                grpc::UNAVAILABLE
+            } else {
+                code
+            };
+            from_status(operation, code, &message)
         }
         ClientError::TransportError(_)
         | ClientError::IoError(_)

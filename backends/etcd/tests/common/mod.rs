@@ -86,6 +86,8 @@ pub struct ServerTls {
     pub key_pem: String,
     /// Require client certificates signed by the CA.
     pub client_cert_auth: bool,
+    /// The client certificate and key (PEM) the fixture's own health checks present.
+    pub client_identity: Option<(String, String)>,
 }
 
 struct Supervisor {
@@ -308,9 +310,13 @@ impl Etcd {
     }
 }
 
-/// A client TLS configuration trusting the server's CA (no client certificate).
+/// A client TLS configuration trusting the server's CA, with the fixture's client identity.
 pub fn tls_client(t: &ServerTls) -> leasehold_etcd::TlsConfig {
-    leasehold_etcd::TlsConfig::new().with_ca_pem(t.ca_pem.clone())
+    let c = leasehold_etcd::TlsConfig::new().with_ca_pem(t.ca_pem.clone());
+    match &t.client_identity {
+        Some((cert, key)) => c.with_client_identity_pem(cert.clone(), key.clone()),
+        None => c,
+    }
 }
 
 /// Endpoints of the server shared by the plain tests of this test binary: the

@@ -1,0 +1,266 @@
+//! TLS with client certificates (certificates made with rcgen in the test) and etcd's
+//! user/password authentication with a role limited to the prefix.
+#![allow(clippy::unwrap_used)]
+
+mod common;
+
+use std::time::Duration;
+
+use common::{Etcd, ServerTls, record};
+use futures::StreamExt;
+use leasehold::{Error, KeyPrefix, LeaseKey, LeaseStore, WatchEvent};
+use leasehold_etcd::etcd_client::{Permission, TlsOptions};
+use leasehold_etcd::{EtcdConfig, EtcdError, EtcdStore, TlsConfig};
+use rcgen::{
+    BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, Issuer, KeyPair,
+    KeyUsagePurpose,
+};
+
+/// A CA, a server certificate for 127.0.0.1/localhost and a client certificate.
+struct Pki {
+    ca_pem: String,
+    server_cert: String,
+    server_key: String,
+    client_cert: String,
+    client_key: String,
+}
+
+fn pki(client_cn: &str) -> Pki {
+    let ca_key = KeyPair::generate().unwrap();
+    let mut ca = CertificateParams::new(Vec::<String>::new()).unwrap();
+    ca.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    ca.distinguished_name
+        .push(DnType::CommonName, "leasehold test CA");
+    ca.key_usages = vec![
+        KeyUsagePurpose::KeyCertSign,
+        KeyUsagePurpose::CrlSign,
+        KeyUsagePurpose::DigitalSignature,
+    ];
+    let ca_pem = ca.self_signed(&ca_key).unwrap().pem();
+    let issuer = Issuer::new(ca, ca_key);
+
+    let server_key = KeyPair::generate().unwrap();
+    let mut server =
+        CertificateParams::new(vec!["localhost".to_owned(), "127.0.0.1".to_owned()]).unwrap();
+    server
+        .distinguished_name
+        .push(DnType::CommonName, "etcd test server");
+    server.extended_key_usages = vec![
+        ExtendedKeyUsagePurpose::ServerAuth,
+        ExtendedKeyUsagePurpose::ClientAuth,
+    ];
+    let server_cert = server.signed_by(&server_key, &issuer).unwrap().pem();
+
+    let client_key = KeyPair::generate().unwrap();
+    let mut client = CertificateParams::new(Vec::<String>::new()).unwrap();
+    client
+        .distinguished_name
+        .push(DnType::CommonName, client_cn);
+    client.extended_key_usages = vec![ExtendedKeyUsagePurpose::ClientAuth];
+    let client_cert = client.signed_by(&client_key, &issuer).unwrap().pem();
+
+    Pki {
+        ca_pem,
+        server_cert,
+        server_key: server_key.serialize_pem(),
+        client_cert,
+        client_key: client_key.serialize_pem(),
+    }
+}
+
+fn key(s: &str) -> LeaseKey {
+    LeaseKey::new(s).unwrap()
+}
+
+fn quick(config: EtcdConfig) -> EtcdConfig {
+    config
+        .with_operation_timeout(Duration::from_secs(2))
+        .with_connect_timeout(Duration::from_secs(1))
+}
+
+/// Exercises every operation once.
+async fn round_trip(store: &EtcdStore) {
+    let k = key("secure");
+    let mut w = store.watch(&k, None).await.unwrap();
+    let v1 = store.create(&k, &record("a", 1)).await.unwrap();
+    let v2 = store.update(&k, &record("b", 2), &v1).await.unwrap();
+    assert_eq!(store.get(&k).await.unwrap().unwrap().version, v2);
+    let listed = store.list(&KeyPrefix::new("").unwrap()).await.unwrap();
+    assert_eq!(listed.len(), 1);
+    for expected in [&v1, &v2] {
+        match tokio::time::timeout(Duration::from_secs(20), w.next()).await {
+            Ok(Some(Ok(WatchEvent::Put(v)))) => assert_eq!(&v.version, expected),
+            other => panic!("expected a Put, got {other:?}"),
+        }
+    }
+    store.delete(&k, &v2).await.unwrap();
+}
+
+#[tokio::test]
+async fn tls_with_client_certificates() {
+    let p = pki("lh-client");
+    let etcd = Etcd::start_tls(ServerTls {
+        ca_pem: p.ca_pem.clone(),
+        cert_pem: p.server_cert.clone(),
+        key_pem: p.server_key.clone(),
+        client_cert_auth: true,
+        client_identity: Some((p.client_cert.clone(), p.client_key.clone())),
+    })
+    .await;
+    assert!(etcd.endpoints()[0].starts_with("https://"));
+
+    // The right CA and a client certificate: everything works.
+    let tls = TlsConfig::new()
+        .with_ca_pem(p.ca_pem.clone())
+        .with_client_identity_pem(p.client_cert.clone(), p.client_key.clone());
+    let config = quick(EtcdConfig::new(etcd.endpoints()).with_tls(tls.clone()));
+    assert!(!format!("{config:?}").contains(&p.client_key));
+    let store = EtcdStore::connect(config).await.unwrap();
+    assert!(!format!("{store:?}").contains(&p.client_key));
+    round_trip(&store).await;
+
+    // No client certificate: the server refuses the handshake.
+    let store = EtcdStore::connect(quick(
+        EtcdConfig::new(etcd.endpoints()).with_tls(TlsConfig::new().with_ca_pem(p.ca_pem.clone())),
+    ))
+    .await
+    .unwrap();
+    let e = store.get(&key("x")).await.unwrap_err();
+    eprintln!("without a client certificate: {e}");
+    assert!(
+        matches!(e, Error::Unavailable { .. } | Error::Timeout { .. }),
+        "{e:?}"
+    );
+
+    // A server certificate from an unknown CA is rejected, and the error says why.
+    let other = pki("lh-client");
+    let store = EtcdStore::connect(quick(
+        EtcdConfig::new(etcd.endpoints()).with_tls(
+            TlsConfig::new()
+                .with_ca_pem(other.ca_pem.clone())
+                .with_client_identity_pem(other.client_cert.clone(), other.client_key.clone()),
+        ),
+    ))
+    .await
+    .unwrap();
+    let e = store.get(&key("x")).await.unwrap_err();
+    eprintln!("with the wrong CA: {e}");
+    assert!(
+        matches!(e, Error::Unavailable { .. } | Error::Timeout { .. }),
+        "{e:?}"
+    );
+    if let Error::Unavailable { message, .. } = &e {
+        assert!(message.to_lowercase().contains("certificate"), "{message}");
+    }
+
+    // Plain HTTP to a TLS endpoint does not work either.
+    let plain = etcd.endpoints()[0].replace("https://", "http://");
+    let store = EtcdStore::connect(quick(EtcdConfig::new([plain])))
+        .await
+        .unwrap();
+    assert!(store.get(&key("x")).await.is_err());
+    let _ = TlsOptions::new();
+}
+
+/// etcd with authentication on: `root` and a user `app` whose role may only touch `/app/`.
+async fn auth_etcd() -> Etcd {
+    let etcd = Etcd::start().await;
+    let store = EtcdStore::connect(etcd.config()).await.unwrap();
+    let mut c = store.client().clone();
+    c.user_add("root", "root-secret-pw", None).await.unwrap();
+    c.user_grant_role("root", "root").await.unwrap();
+    c.role_add("lh-app").await.unwrap();
+    c.role_grant_permission("lh-app", Permission::read_write("/app/").with_prefix())
+        .await
+        .unwrap();
+    c.user_add("app", "app-secret-pw", None).await.unwrap();
+    c.user_grant_role("app", "lh-app").await.unwrap();
+    c.auth_enable().await.unwrap();
+    etcd
+}
+
+#[tokio::test]
+async fn auth_with_a_role_limited_to_the_prefix() {
+    let etcd = auth_etcd().await;
+
+    // The app user works under its prefix.
+    let config = etcd
+        .config()
+        .with_prefix("/app/")
+        .with_user("app", "app-secret-pw");
+    let store = EtcdStore::connect(config).await.unwrap();
+    let debug = format!("{store:?}");
+    assert!(
+        debug.contains("app") && !debug.contains("app-secret-pw"),
+        "{debug}"
+    );
+    round_trip(&store).await;
+
+    // Outside it, every operation is a clear PermissionDenied.
+    let store = EtcdStore::connect(
+        etcd.config()
+            .with_prefix("/elsewhere/")
+            .with_user("app", "app-secret-pw"),
+    )
+    .await
+    .unwrap();
+    let k = key("k");
+    let results = [
+        store.get(&k).await.map(|_| ()),
+        store.create(&k, &record("a", 1)).await.map(|_| ()),
+        store.list(&KeyPrefix::new("").unwrap()).await.map(|_| ()),
+        store.watch(&k, None).await.map(|_| ()),
+    ];
+    for r in results {
+        let e = r.unwrap_err();
+        assert!(matches!(e, Error::PermissionDenied { .. }), "{e:?}");
+        assert!(!e.is_retryable());
+        assert!(e.to_string().contains("permission"), "{e}");
+    }
+    // A watch from a known version (no initial read) is refused as well.
+    let e = store
+        .watch(&k, Some(&leasehold::Version::from(1u64)))
+        .await
+        .map(|_| ())
+        .unwrap_err();
+    assert!(matches!(e, Error::PermissionDenied { .. }), "{e:?}");
+}
+
+#[tokio::test]
+async fn wrong_or_missing_credentials_are_clear_errors() {
+    let etcd = auth_etcd().await;
+
+    // A wrong password fails at connect, says what to fix, and does not echo the password.
+    let e = EtcdStore::connect(
+        etcd.config()
+            .with_prefix("/app/")
+            .with_user("app", "not-the-password"),
+    )
+    .await
+    .unwrap_err();
+    let text = format!("{e} {e:?}");
+    assert!(!text.contains("not-the-password"), "{text}");
+    let e: Error = e.into();
+    assert!(matches!(e, Error::Unauthenticated { .. }), "{e:?}");
+    assert!(e.to_string().contains("user name and password"), "{e}");
+    assert!(!e.is_retryable());
+
+    // An unknown user likewise.
+    let e: Error = EtcdStore::connect(etcd.config().with_user("nobody", "x"))
+        .await
+        .unwrap_err()
+        .into();
+    assert!(matches!(e, Error::Unauthenticated { .. }), "{e:?}");
+
+    // No credentials at all: operations say that the server wants them.
+    let store = EtcdStore::connect(etcd.config().with_prefix("/app/"))
+        .await
+        .unwrap();
+    let e = store.get(&key("k")).await.unwrap_err();
+    assert!(matches!(e, Error::Unauthenticated { .. }), "{e:?}");
+    assert!(e.to_string().contains("with_user"), "{e}");
+
+    // EtcdError converts into the core error type.
+    let e: Error = EtcdError::InvalidConfig("x".into()).into();
+    assert!(matches!(e, Error::InvalidConfig(_)));
+}
