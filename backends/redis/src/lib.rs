@@ -1,0 +1,109 @@
+//! A [`LeaseStore`](leasehold::LeaseStore) on Redis for leasehold.
+//!
+//! ```no_run
+//! # async fn demo() -> leasehold::Result<()> {
+//! use leasehold_redis::{RedisConfig, RedisStore};
+//! let config = RedisConfig::new("rediss://app:secret@redis.example:6380/0")?
+//!     .prefix("myapp:")?;
+//! let store = RedisStore::connect(config).await?;
+//! # let _ = store; Ok(()) }
+//! ```
+//!
+//! # Correctness class: read this before you use it
+//!
+//! **On a single Redis primary** every write is a compare-and-swap executed atomically by a Lua
+//! script, so the elector's guarantees hold: at most one leader at a time (given the elector's
+//! clock assumptions) and a fencing token that only grows.
+//!
+//! **With replication and failover, or a restart without persistence, they do not.** Redis
+//! acknowledges a write before it reaches a replica (replication is asynchronous) and, by
+//! default, before it reaches the disk. If the primary fails and a replica that had not yet
+//! received the last acquisition is promoted (Sentinel, Cluster, a managed service's failover),
+//! or the server restarts from an older snapshot or from nothing, an acknowledged write is
+//! lost: a second candidate can acquire a lease the first still believes it holds, so **two
+//! leaders are possible**, and the **fencing token can go backwards**. This is the core of Martin
+//! Kleppmann's critique of Redlock ("How to do distributed locking", 2016), and it applies to
+//! every Redis lock or lease, this one included.
+//!
+//! Settings that make the window smaller, without closing it:
+//! - `appendonly yes` with `appendfsync always`: every write is on disk before the reply, so a
+//!   restart of the same server loses nothing (at a cost in write latency);
+//! - `min-replicas-to-write 1` with `min-replicas-max-lag`: the primary refuses writes when no
+//!   replica is close behind, so fewer acknowledged writes exist only on the primary (the
+//!   replication is still asynchronous: a failover can still lose the last writes);
+//! - `WAIT` is not used by this store and would not make failover safe either.
+//!
+//! For correctness-critical work (where two leaders would corrupt data even briefly), use a
+//! consensus store: etcd (`leasehold-etcd`) or Kubernetes Leases (`leasehold-kube`). Redis is a
+//! good fit for development setups and for services that already run Redis and can tolerate a
+//! rare double leader after a failover, or that fence their side effects with the token.
+//!
+//! # Data layout
+//!
+//! Every key of a namespace (prefix `P`, default `leasehold:`) starts with the Redis Cluster hash
+//! tag `{P}`, so all of them live in one slot and every script touches keys of one slot only:
+//! the record of lease key `k` is the hash `{P}rec:k` with fields `v` (the version) and `d` (the
+//! record as client-go `LeaderElectionRecord` JSON, see [`leasehold::codec`]); the sorted set
+//! `{P}index` names every lease key; the string `{P}rev` is the namespace revision counter. See
+//! the [`scripts`] module.
+//!
+//! **Versions** are the namespace counter at the time of the write (like etcd's revisions): they
+//! never repeat, also not across a delete and re-create, which lets a watch drop stale messages by
+//! comparing numbers.
+//!
+//! **Compare-and-swap** runs as Lua scripts, invoked by SHA (`EVALSHA`) and loaded again when the
+//! server answers `NOSCRIPT` (after a restart or `SCRIPT FLUSH`). A script compares the stored
+//! version with the expected one and writes, indexes and publishes in one atomic step.
+//!
+//! **List** reads the index with `ZRANGEBYLEX` (only the names under the prefix: cost grows with
+//! the matching keys, not with the size of the database) and then the records by script. It
+//! never uses `KEYS` (which blocks the server while it walks every key) nor `SCAN` (whose cost
+//! grows with every unrelated key in the database). The index is kept by the same scripts that
+//! write, so it is exact.
+//!
+//! **Watch** needs no server configuration (no keyspace notifications, which
+//! `notify-keyspace-events` must enable and many managed services forbid): the write scripts
+//! `PUBLISH` the new version and record on `{P}chan:k`. See the [`watch`] module for how it
+//! re-reads after subscribing and after reconnecting, and how it drops stale messages.
+//!
+//! **Corrupt data.** Data under a record key that is not ours (another Redis type, a hash without
+//! our fields, a truncated or invalid JSON record) is reported as
+//! [`leasehold::Error::Corrupt`] naming the key, and never panics. Its version is our counter
+//! when the hash carries a valid one, otherwise `x` + the SHA-1 of the key's `DUMP`
+//! serialisation: it stays equal while the data is unchanged and changes when the data changes.
+//! [`update`](leasehold::LeaseStore::update) with that version replaces the data by
+//! compare-and-swap (what the elector does once it stayed unchanged for a lease duration); data
+//! that changed in between fails with `Conflict`.
+//!
+//! # Failures and timeouts
+//!
+//! Every operation is bounded by the operation timeout (default 2 s) and fails with
+//! [`leasehold::Error::Timeout`] after it; connection failures are
+//! [`leasehold::Error::Unavailable`]. Both are retryable. The connection is repaired in the
+//! background by redis-rs's `ConnectionManager`. Rejected credentials are
+//! [`leasehold::Error::Unauthenticated`], missing ACL permissions
+//! [`leasehold::Error::PermissionDenied`], a certificate that does not verify a non-retryable
+//! [`leasehold::Error::Store`] that says it is a TLS problem.
+//!
+//! # Security
+//!
+//! `rediss://` URLs use TLS (rustls with the ring provider; the system roots or a CA given with
+//! [`RedisConfig::tls_root_ca_pem`], optionally a client certificate). A user name in the URL
+//! selects an ACL user. Passwords are redacted in every `Debug` output, error and log line.
+#![cfg_attr(docsrs, feature(doc_cfg))]
+
+mod config;
+mod error;
+pub mod scripts;
+mod store;
+pub mod watch;
+
+pub use config::{
+    DEFAULT_CONNECT_TIMEOUT, DEFAULT_OPERATION_TIMEOUT, DEFAULT_PREFIX,
+    DEFAULT_WATCH_PING_INTERVAL, RedisConfig,
+};
+pub use error::Error;
+pub use store::RedisStore;
+
+/// The store's name in errors and logs.
+pub const STORE: &str = "redis";

@@ -1,0 +1,244 @@
+//! Watch: pub/sub messages from the write scripts, re-read after every (re)subscription.
+//!
+//! Each watch owns one dedicated pub/sub connection (redis-rs's `PubSub`), subscribed to the
+//! key's channel. Order of operations, so that nothing is lost:
+//!
+//! 1. `SUBSCRIBE` and wait for the confirmation;
+//! 2. read the key and the namespace revision `R` in one script call, and deliver that state if
+//!    it differs from what the caller already has (`after`);
+//! 3. deliver every message with a version above the highest one seen (`R` or a later message),
+//!    dropping older or equal ones: versions come from the namespace counter, so "older" is a
+//!    plain number comparison, also across delete and re-create.
+//!
+//! Every write script publishes the new version **and** the record, so a change reaches the
+//! watcher without another read. The connection is checked with `PING` every
+//! `watch_ping_interval`; when it is lost the stream yields one retryable
+//! [`leasehold::Error::Unavailable`] and the watch reconnects with backoff, re-subscribes and
+//! re-reads (step 1 and 2), coalescing whatever it missed into the latest state. The task stops
+//! when the stream is dropped.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::StreamExt;
+use leasehold::{LeaseKey, Version, Versioned, WatchEvent, WatchStream};
+use redis::aio::{PubSubSink, PubSubStream};
+use tokio::sync::mpsc::UnboundedSender;
+use tokio_stream::wrappers::UnboundedReceiverStream;
+
+use crate::STORE;
+use crate::store::{Inner, Raw, bounded};
+
+type Tx = UnboundedSender<leasehold::Result<WatchEvent>>;
+
+const MIN_BACKOFF: Duration = Duration::from_millis(20);
+const MAX_BACKOFF: Duration = Duration::from_secs(1);
+
+/// What the caller has been told about the key.
+#[derive(Debug, PartialEq, Eq)]
+enum Last {
+    /// The key does not exist.
+    Absent,
+    /// The key holds data at this version (a record or corrupt data).
+    At(Version),
+}
+
+struct Watcher {
+    key: LeaseKey,
+    last: Last,
+    /// The highest namespace revision already reflected in what was delivered.
+    floor: u64,
+}
+
+impl Watcher {
+    fn emit(&self, tx: &Tx, ev: WatchEvent) {
+        let _ = tx.send(Ok(ev));
+    }
+
+    fn put(&mut self, tx: &Tx, version: Version, data: &[u8]) {
+        if self.last == Last::At(version.clone()) {
+            return;
+        }
+        self.last = Last::At(version.clone());
+        let ev = match leasehold::codec::decode(&self.key, data, Some(&version)) {
+            Ok(record) => WatchEvent::Put(Versioned { record, version }),
+            Err(e) => WatchEvent::Corrupt {
+                reason: corrupt_reason(e),
+                version: Some(version),
+            },
+        };
+        self.emit(tx, ev);
+    }
+
+    fn deleted(&mut self, tx: &Tx) {
+        if self.last != Last::Absent {
+            self.last = Last::Absent;
+            self.emit(tx, WatchEvent::Deleted);
+        }
+    }
+
+    fn apply_read(&mut self, tx: &Tx, raw: Raw, rev: u64) {
+        self.floor = self.floor.max(rev);
+        match raw {
+            Raw::None => self.deleted(tx),
+            Raw::Record(version, data) => self.put(tx, version, &data),
+            Raw::Foreign(version, kind) => {
+                if self.last != Last::At(version.clone()) {
+                    self.last = Last::At(version.clone());
+                    self.emit(
+                        tx,
+                        WatchEvent::Corrupt {
+                            reason: format!("expected a leasehold record, found a redis {kind}"),
+                            version: Some(version),
+                        },
+                    );
+                }
+            }
+        }
+    }
+
+    fn on_message(&mut self, tx: &Tx, payload: &[u8]) {
+        let Some((kind, rest)) = split_once(payload, b':') else {
+            tracing::warn!(key = %self.key, "watch: ignoring a malformed message");
+            return;
+        };
+        let (num, data) = match kind {
+            b"p" => match split_once(rest, b':') {
+                Some((num, data)) => (num, Some(data)),
+                None => {
+                    tracing::warn!(key = %self.key, "watch: ignoring a malformed message");
+                    return;
+                }
+            },
+            b"d" => (rest, None),
+            _ => {
+                tracing::warn!(key = %self.key, "watch: ignoring a malformed message");
+                return;
+            }
+        };
+        let Some(n) = std::str::from_utf8(num)
+            .ok()
+            .and_then(|s| s.parse::<u64>().ok())
+        else {
+            tracing::warn!(key = %self.key, "watch: ignoring a message without a version");
+            return;
+        };
+        if n <= self.floor {
+            return;
+        }
+        self.floor = n;
+        match data {
+            Some(data) => self.put(tx, Version::from(n), data),
+            None => self.deleted(tx),
+        }
+    }
+}
+
+fn corrupt_reason(e: leasehold::Error) -> String {
+    match e {
+        leasehold::Error::Corrupt { reason, .. } => reason,
+        other => other.to_string(),
+    }
+}
+
+fn split_once(b: &[u8], sep: u8) -> Option<(&[u8], &[u8])> {
+    let i = b.iter().position(|&c| c == sep)?;
+    Some((&b[..i], &b[i + 1..]))
+}
+
+async fn subscribe(inner: &Inner, channel: &str) -> leasehold::Result<(PubSubSink, PubSubStream)> {
+    let limit = inner.config.connect_timeout + inner.config.operation_timeout;
+    bounded("watch", limit, async {
+        let (mut sink, stream) = inner.client.get_async_pubsub().await?.split();
+        sink.subscribe(channel).await?;
+        Ok((sink, stream))
+    })
+    .await
+}
+
+/// Subscribes, reads, and spawns the task that feeds the returned stream.
+pub(crate) async fn start(
+    inner: Arc<Inner>,
+    key: LeaseKey,
+    after: Option<Version>,
+) -> leasehold::Result<WatchStream> {
+    let channel = inner.keys.channel(key.as_str());
+    let (sink, stream) = subscribe(&inner, &channel).await?;
+    let (raw, rev) = inner.read(&key).await?;
+    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+    let mut w = Watcher {
+        key,
+        last: after.map_or(Last::Absent, Last::At),
+        floor: 0,
+    };
+    w.apply_read(&tx, raw, rev);
+    tokio::spawn(run(inner, w, channel, sink, stream, tx));
+    Ok(UnboundedReceiverStream::new(rx).boxed())
+}
+
+async fn run(
+    inner: Arc<Inner>,
+    mut w: Watcher,
+    channel: String,
+    mut sink: PubSubSink,
+    mut stream: PubSubStream,
+    tx: Tx,
+) {
+    let ping_every = inner.config.watch_ping_interval;
+    let ping_limit = inner.config.operation_timeout;
+    loop {
+        let mut ping =
+            tokio::time::interval_at(tokio::time::Instant::now() + ping_every, ping_every);
+        let lost = loop {
+            tokio::select! {
+                () = tx.closed() => return,
+                msg = stream.next() => match msg {
+                    Some(msg) => w.on_message(&tx, msg.get_payload_bytes()),
+                    None => break "the connection was closed".to_owned(),
+                },
+                _ = ping.tick() => {
+                    match tokio::time::timeout(ping_limit, sink.ping::<redis::Value>()).await {
+                        Ok(Ok(_)) => {}
+                        Ok(Err(e)) => break format!("ping failed: {e}"),
+                        Err(_) => break format!("ping got no answer within {ping_limit:?}"),
+                    }
+                }
+            }
+        };
+        tracing::debug!(key = %w.key, reason = %lost, "watch connection lost; reconnecting");
+        let _ = tx.send(Err(leasehold::Error::Unavailable {
+            store: STORE,
+            message: format!("watch of {:?}: {lost}; reconnecting", w.key.as_str()),
+            source: None,
+        }));
+        let mut backoff = MIN_BACKOFF;
+        loop {
+            let attempt = async {
+                let (s, st) = subscribe(&inner, &channel).await?;
+                let (raw, rev) = inner.read(&w.key).await?;
+                Ok::<_, leasehold::Error>((s, st, raw, rev))
+            };
+            let result = tokio::select! {
+                () = tx.closed() => return,
+                r = attempt => r,
+            };
+            match result {
+                Ok((s, st, raw, rev)) => {
+                    sink = s;
+                    stream = st;
+                    w.apply_read(&tx, raw, rev);
+                    tracing::debug!(key = %w.key, "watch resubscribed");
+                    break;
+                }
+                Err(e) => {
+                    tracing::debug!(key = %w.key, error = %e, "watch reconnect failed");
+                    tokio::select! {
+                        () = tx.closed() => return,
+                        () = tokio::time::sleep(backoff) => {}
+                    }
+                    backoff = (backoff * 2).min(MAX_BACKOFF);
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,309 @@
+//! Test fixture: real `redis-server` processes on free loopback ports.
+//!
+//! # How a server is guaranteed to die
+//!
+//! Rust never drops statics and a test binary can be killed, so `Drop` alone cannot be trusted to
+//! stop a server. Each server is therefore started under a tiny `sh` watchdog:
+//!
+//! ```sh
+//! redis-server ARGS & echo $!; cat >/dev/null; kill -9 $!
+//! ```
+//!
+//! The watchdog's stdin is a pipe whose only write end lives in the test process. When the test
+//! process exits for any reason (normal end, panic, `SIGKILL`), the kernel closes that end, `cat`
+//! sees end-of-file and the watchdog kills redis. [`Server`]'s `Drop` closes the pipe as well, so a
+//! per-test server dies at the end of its test. The binary-wide server (`shared()`) lives in a
+//! static and dies with the process.
+//!
+//! `LEASEHOLD_REDIS_URL` points the shared-server tests at an existing server instead (fault and
+//! security tests always start their own, because they stop, restart or configure it).
+//! `LEASEHOLD_REDIS_SERVER` overrides the `redis-server` binary.
+#![allow(dead_code, clippy::unwrap_used, clippy::expect_used)]
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, ChildStdin, Command, Stdio};
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+use leasehold::{DynLeaseStore, LeaseKey, LeaseRecord};
+use leasehold_redis::{RedisConfig, RedisStore};
+
+/// How long a starting server may take before the fixture gives up (generous: slow CI).
+const START_LIMIT: Duration = Duration::from_secs(30);
+
+pub fn redis_server_bin() -> String {
+    std::env::var("LEASEHOLD_REDIS_SERVER").unwrap_or_else(|_| "redis-server".to_owned())
+}
+
+fn check_binary() {
+    let bin = redis_server_bin();
+    match Command::new(&bin).arg("--version").output() {
+        Ok(out) if out.status.success() => {}
+        Ok(out) => panic!(
+            "`{bin} --version` failed ({}): install the Debian package `redis-server` \
+             (apt-get install redis-server)",
+            out.status
+        ),
+        Err(e) => panic!(
+            "cannot run `{bin}` ({e}): the Redis tests need a redis-server binary; install the \
+             Debian package `redis-server` (apt-get install redis-server), or set \
+             LEASEHOLD_REDIS_SERVER to its path, or LEASEHOLD_REDIS_URL to an existing server \
+             for the shared-server tests"
+        ),
+    }
+}
+
+pub fn free_port() -> u16 {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind a free loopback port");
+    l.local_addr().expect("local addr").port()
+}
+
+/// One running redis-server (see the module docs for how it is cleaned up).
+pub struct Server {
+    pub port: u16,
+    pub dir: tempfile::TempDir,
+    extra: Vec<String>,
+    tls: bool,
+    proc: Option<Proc>,
+}
+
+struct Proc {
+    watchdog: Child,
+    stdin: Option<ChildStdin>,
+    pid: u32,
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        // Closing the pipe makes the watchdog kill redis; reap the watchdog.
+        drop(self.stdin.take());
+        let _ = self.watchdog.wait();
+    }
+}
+
+impl Server {
+    /// Starts a plain server on a free loopback port.
+    pub fn start() -> Server {
+        Server::start_with(&[], false)
+    }
+
+    /// Starts a server with extra `redis-server` arguments. With `tls`, `port` is the TLS port
+    /// and the plain port is disabled.
+    pub fn start_with(extra: &[&str], tls: bool) -> Server {
+        check_binary();
+        let mut last_log = String::new();
+        for _ in 0..5 {
+            let mut s = Server {
+                port: free_port(),
+                dir: tempfile::tempdir().expect("temp dir"),
+                extra: extra.iter().map(|s| s.to_string()).collect(),
+                tls,
+                proc: None,
+            };
+            match s.spawn() {
+                Ok(()) => return s,
+                Err(log) => last_log = log, // most likely the port was taken meanwhile
+            }
+        }
+        panic!("redis-server did not start; its log:\n{last_log}");
+    }
+
+    fn log_path(&self) -> PathBuf {
+        self.dir.path().join("redis.log")
+    }
+
+    fn spawn(&mut self) -> Result<(), String> {
+        let log = self.log_path();
+        let _ = std::fs::remove_file(&log);
+        let port = self.port.to_string();
+        let mut args: Vec<String> = vec![
+            "--bind".into(),
+            "127.0.0.1".into(),
+            "--dir".into(),
+            self.dir.path().display().to_string(),
+            "--logfile".into(),
+            log.display().to_string(),
+            "--daemonize".into(),
+            "no".into(),
+            "--save".into(),
+            "".into(),
+            "--appendonly".into(),
+            "no".into(),
+        ];
+        if self.tls {
+            args.extend(["--port".into(), "0".into(), "--tls-port".into(), port]);
+        } else {
+            args.extend(["--port".into(), port]);
+        }
+        args.extend(self.extra.iter().cloned());
+        let mut watchdog = Command::new("sh")
+            .arg("-c")
+            .arg(r#""$0" "$@" & pid=$!; echo "$pid"; cat >/dev/null; kill -9 "$pid" 2>/dev/null; wait"#)
+            .arg(redis_server_bin())
+            .args(&args)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .map_err(|e| format!("cannot start sh for the redis-server watchdog: {e}"))?;
+        let stdin = watchdog.stdin.take();
+        let stdout = watchdog.stdout.take().ok_or("no stdout")?;
+        let mut line = String::new();
+        BufReader::new(stdout)
+            .read_line(&mut line)
+            .map_err(|e| e.to_string())?;
+        let pid: u32 = line
+            .trim()
+            .parse()
+            .map_err(|_| format!("watchdog said {line:?}"))?;
+        let proc = Proc {
+            watchdog,
+            stdin,
+            pid,
+        };
+        let deadline = Instant::now() + START_LIMIT;
+        loop {
+            let text = std::fs::read_to_string(&log).unwrap_or_default();
+            if text.contains("Ready to accept connections") {
+                self.proc = Some(proc);
+                return Ok(());
+            }
+            if !alive(pid) || Instant::now() > deadline {
+                drop(proc);
+                return Err(text);
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.proc.as_ref().expect("server running").pid
+    }
+
+    pub fn url(&self) -> String {
+        let scheme = if self.tls { "rediss" } else { "redis" };
+        format!("{scheme}://127.0.0.1:{}", self.port)
+    }
+
+    /// Kills the server with SIGKILL (no shutdown, no persistence).
+    pub fn kill(&mut self) {
+        if let Some(p) = self.proc.take() {
+            signal("KILL", p.pid);
+            drop(p);
+        }
+    }
+
+    /// Starts the server again on the same port and directory.
+    pub fn restart(&mut self) {
+        self.kill();
+        let deadline = Instant::now() + START_LIMIT;
+        // The port may linger briefly; retry until the deadline.
+        loop {
+            match self.spawn() {
+                Ok(()) => return,
+                Err(log) if Instant::now() > deadline => panic!("restart failed:\n{log}"),
+                Err(_) => std::thread::sleep(Duration::from_millis(50)),
+            }
+        }
+    }
+
+    pub fn pause(&self) {
+        signal("STOP", self.pid());
+    }
+
+    pub fn resume(&self) {
+        signal("CONT", self.pid());
+    }
+
+    pub fn dir(&self) -> &Path {
+        self.dir.path()
+    }
+}
+
+fn alive(pid: u32) -> bool {
+    Path::new(&format!("/proc/{pid}")).exists()
+        && !std::fs::read_to_string(format!("/proc/{pid}/stat"))
+            .unwrap_or_default()
+            .contains(") Z ")
+}
+
+fn signal(sig: &str, pid: u32) {
+    let st = Command::new("kill")
+        .arg(format!("-{sig}"))
+        .arg(pid.to_string())
+        .status()
+        .expect("run kill");
+    assert!(st.success(), "kill -{sig} {pid} failed");
+}
+
+static SHARED: OnceLock<(Option<Server>, String)> = OnceLock::new();
+
+/// The URL of this test binary's shared server (started on first use), or `LEASEHOLD_REDIS_URL`.
+pub fn shared_url() -> String {
+    let (_, url) = SHARED.get_or_init(|| match std::env::var("LEASEHOLD_REDIS_URL") {
+        Ok(url) if !url.is_empty() => (None, url),
+        _ => {
+            let s = Server::start();
+            let url = s.url();
+            (Some(s), url)
+        }
+    });
+    url.clone()
+}
+
+/// A unique namespace prefix so tests (and runs on a shared server) never collide.
+pub fn unique_prefix() -> String {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static N: AtomicU64 = AtomicU64::new(0);
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos())
+        .unwrap_or(0);
+    format!(
+        "lh-test-{}-{nanos}-{}:",
+        std::process::id(),
+        N.fetch_add(1, Ordering::Relaxed)
+    )
+}
+
+pub async fn store_at(url: &str) -> RedisStore {
+    let cfg = RedisConfig::new(url)
+        .expect("url")
+        .prefix(unique_prefix())
+        .expect("prefix");
+    RedisStore::connect(cfg).await.expect("connect")
+}
+
+/// A store on the shared server with a fresh prefix.
+pub async fn store() -> RedisStore {
+    store_at(&shared_url()).await
+}
+
+pub async fn make_store() -> DynLeaseStore {
+    std::sync::Arc::new(store().await)
+}
+
+pub fn key(s: &str) -> LeaseKey {
+    LeaseKey::new(s).expect("valid key")
+}
+
+pub fn record(holder: &str, transitions: u64) -> LeaseRecord {
+    LeaseRecord {
+        holder_identity: holder.to_owned(),
+        lease_duration: Duration::from_secs(15),
+        acquire_time: Some(std::time::UNIX_EPOCH + Duration::from_micros(1_764_446_659_123_456)),
+        renew_time: Some(std::time::UNIX_EPOCH + Duration::from_micros(1_764_446_660_000_001)),
+        transitions,
+    }
+}
+
+/// Runs a raw command on `url` (for tests that write foreign data or flush scripts).
+pub async fn raw_cmd(url: &str, cmd: &redis::Cmd) -> redis::Value {
+    let client = redis::Client::open(url).expect("client");
+    let mut c = client
+        .get_multiplexed_async_connection()
+        .await
+        .expect("raw connection");
+    cmd.query_async(&mut c).await.expect("raw command")
+}

@@ -1,0 +1,237 @@
+//! Store-level tests against a real redis-server (one per test binary, see `common`).
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+use futures::StreamExt;
+use leasehold::{Error, KeyPrefix, LeaseStore, Version, WatchEvent, WatchStream};
+
+async fn next(w: &mut WatchStream) -> WatchEvent {
+    tokio::time::timeout(Duration::from_secs(10), w.next())
+        .await
+        .expect("a watch event within 10 s")
+        .expect("stream open")
+        .expect("no error")
+}
+
+/// Asserts nothing is pending on the stream: a marker write made afterwards must be the next event.
+async fn expect_next_put_version(w: &mut WatchStream, v: &Version) {
+    match next(w).await {
+        WatchEvent::Put(p) => assert_eq!(&p.version, v),
+        other => panic!("expected Put({v}), got {other:?}"),
+    }
+}
+
+#[tokio::test]
+async fn crud_round_trip() {
+    let s = store().await;
+    let k = key("crud");
+    assert!(s.get(&k).await.unwrap().is_none());
+    let v1 = s.create(&k, &record("a", 1)).await.unwrap();
+    let got = s.get(&k).await.unwrap().unwrap();
+    assert_eq!(got.record, record("a", 1));
+    assert_eq!(got.version, v1);
+
+    let v2 = s.update(&k, &record("b", 2), &v1).await.unwrap();
+    assert_ne!(v1, v2);
+    assert_eq!(s.get(&k).await.unwrap().unwrap().record, record("b", 2));
+
+    assert!(matches!(
+        s.update(&k, &record("c", 3), &v1).await,
+        Err(Error::Conflict { .. })
+    ));
+    assert!(matches!(
+        s.create(&k, &record("c", 3)).await,
+        Err(Error::AlreadyExists { .. })
+    ));
+    assert!(matches!(
+        s.delete(&k, &v1).await,
+        Err(Error::Conflict { .. })
+    ));
+    s.delete(&k, &v2).await.unwrap();
+    assert!(s.get(&k).await.unwrap().is_none());
+    assert!(matches!(
+        s.delete(&k, &v2).await,
+        Err(Error::NotFound { .. })
+    ));
+    assert!(matches!(
+        s.update(&k, &record("c", 3), &v2).await,
+        Err(Error::NotFound { .. })
+    ));
+    // Versions never repeat across delete and re-create.
+    let v3 = s.create(&k, &record("d", 4)).await.unwrap();
+    assert!(v3 != v1 && v3 != v2);
+}
+
+#[tokio::test]
+async fn exactly_one_racing_update_wins() {
+    let s = store().await;
+    let k = key("race");
+    let v = s.create(&k, &record("a", 0)).await.unwrap();
+    let mut tasks = Vec::new();
+    for i in 0..16 {
+        let (s, k, v) = (s.clone(), k.clone(), v.clone());
+        tasks.push(tokio::spawn(async move {
+            s.update(&k, &record(&format!("n{i}"), 1), &v).await
+        }));
+    }
+    let mut wins = 0;
+    for t in tasks {
+        match t.await.unwrap() {
+            Ok(_) => wins += 1,
+            Err(Error::Conflict { .. }) => {}
+            Err(e) => panic!("unexpected {e:?}"),
+        }
+    }
+    assert_eq!(wins, 1);
+}
+
+#[tokio::test]
+async fn scripts_survive_script_flush() {
+    let url = shared_url();
+    let s = store_at(&url).await;
+    let k = key("flushed");
+    let v = s.create(&k, &record("a", 1)).await.unwrap();
+    raw_cmd(&url, redis::cmd("SCRIPT").arg("FLUSH")).await;
+    let v2 = s.update(&k, &record("b", 2), &v).await.unwrap();
+    raw_cmd(&url, redis::cmd("SCRIPT").arg("FLUSH")).await;
+    assert_eq!(s.get(&k).await.unwrap().unwrap().version, v2);
+    raw_cmd(&url, redis::cmd("SCRIPT").arg("FLUSH")).await;
+    s.delete(&k, &v2).await.unwrap();
+}
+
+#[tokio::test]
+async fn list_uses_the_index_and_the_prefix() {
+    let s = store().await;
+    for name in ["app-a", "app-b", "app.c", "other", "ap"] {
+        s.create(&key(name), &record(name, 0)).await.unwrap();
+    }
+    let got: Vec<String> = s
+        .list(&KeyPrefix::new("app").unwrap())
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|(k, _)| k.to_string())
+        .collect();
+    assert_eq!(got, ["app-a", "app-b", "app.c"]);
+    let all = s.list(&KeyPrefix::new("").unwrap()).await.unwrap();
+    assert_eq!(all.len(), 5);
+    // Deleted keys leave the index.
+    let v = s.get(&key("app-b")).await.unwrap().unwrap().version;
+    s.delete(&key("app-b"), &v).await.unwrap();
+    let got = s.list(&KeyPrefix::new("app-").unwrap()).await.unwrap();
+    assert_eq!(got.len(), 1);
+    assert_eq!(got[0].0.as_str(), "app-a");
+    assert_eq!(got[0].1.record, record("app-a", 0));
+}
+
+#[tokio::test]
+async fn watch_from_now_delivers_every_change_in_order() {
+    let s = store().await;
+    let k = key("w");
+    let mut w = s.watch(&k, None).await.unwrap();
+    let v1 = s.create(&k, &record("a", 1)).await.unwrap();
+    let v2 = s.update(&k, &record("b", 2), &v1).await.unwrap();
+    s.delete(&k, &v2).await.unwrap();
+    let v3 = s.create(&k, &record("c", 3)).await.unwrap();
+    match next(&mut w).await {
+        WatchEvent::Put(p) => assert_eq!((p.version, p.record), (v1, record("a", 1))),
+        e => panic!("{e:?}"),
+    }
+    match next(&mut w).await {
+        WatchEvent::Put(p) => assert_eq!((p.version, p.record), (v2, record("b", 2))),
+        e => panic!("{e:?}"),
+    }
+    assert_eq!(next(&mut w).await, WatchEvent::Deleted);
+    expect_next_put_version(&mut w, &v3).await;
+}
+
+#[tokio::test]
+async fn watch_after_a_version_skips_what_the_caller_saw() {
+    let s = store().await;
+    let k = key("after");
+    let v1 = s.create(&k, &record("a", 1)).await.unwrap();
+    // Watching at the current version delivers nothing until the next change.
+    let mut w = s.watch(&k, Some(&v1)).await.unwrap();
+    let v2 = s.update(&k, &record("b", 2), &v1).await.unwrap();
+    expect_next_put_version(&mut w, &v2).await;
+
+    // Watching from an older version delivers the current state first.
+    let mut w2 = s.watch(&k, Some(&v1)).await.unwrap();
+    expect_next_put_version(&mut w2, &v2).await;
+
+    // With None the current state comes first.
+    let mut w3 = s.watch(&k, None).await.unwrap();
+    expect_next_put_version(&mut w3, &v2).await;
+
+    // After a version of a key that is gone: Deleted.
+    s.delete(&k, &v2).await.unwrap();
+    let mut w4 = s.watch(&k, Some(&v2)).await.unwrap();
+    assert_eq!(next(&mut w4).await, WatchEvent::Deleted);
+    assert_eq!(next(&mut w).await, WatchEvent::Deleted);
+}
+
+#[tokio::test]
+async fn watch_stream_drop_stops_the_subscription() {
+    let url = shared_url();
+    let s = store_at(&url).await;
+    let k = key("dropped");
+    let before = numsub(&url, &s, &k).await;
+    let w = s.watch(&k, None).await.unwrap();
+    assert_eq!(numsub(&url, &s, &k).await, before + 1);
+    drop(w);
+    // Bounded wait for the task to notice and close its connection.
+    for _ in 0..500 {
+        if numsub(&url, &s, &k).await == before {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    panic!("the subscription outlived its stream");
+}
+
+async fn numsub(url: &str, s: &leasehold_redis::RedisStore, k: &leasehold::LeaseKey) -> i64 {
+    let chan = s.record_key(k).replace("rec:", "chan:");
+    match raw_cmd(url, redis::cmd("PUBSUB").arg("NUMSUB").arg(&chan)).await {
+        redis::Value::Array(v) => match v.get(1) {
+            Some(redis::Value::Int(n)) => *n,
+            other => panic!("{other:?}"),
+        },
+        other => panic!("{other:?}"),
+    }
+}
+
+#[tokio::test]
+async fn unicode_and_long_identities_round_trip() {
+    let s = store().await;
+    let long = "ü".repeat(2000);
+    let k = key(&"k".repeat(253));
+    let v = s.create(&k, &record(&long, 9)).await.unwrap();
+    let got = s.get(&k).await.unwrap().unwrap();
+    assert_eq!(got.record.holder_identity, long);
+    assert_eq!(got.version, v);
+}
+
+#[tokio::test]
+async fn keys_carry_the_prefix_as_a_hash_tag() {
+    let cfg = leasehold_redis::RedisConfig::new(shared_url())
+        .unwrap()
+        .prefix("tagged-test:")
+        .unwrap();
+    assert_eq!(cfg.key_prefix(), "tagged-test:");
+    let s = leasehold_redis::RedisStore::connect(cfg).await.unwrap();
+    assert_eq!(s.record_key(&key("x")), "{tagged-test:}rec:x");
+}
+
+#[tokio::test]
+async fn debug_never_shows_the_password() {
+    let cfg = leasehold_redis::RedisConfig::new("redis://u:topsecret@127.0.0.1:1/0").unwrap();
+    assert!(!format!("{cfg:?}").contains("topsecret"));
+    // Nothing listens on port 1: the error must be typed, retryable and free of the password.
+    let err = leasehold_redis::RedisStore::connect(cfg).await.unwrap_err();
+    assert!(err.is_retryable(), "{err:?}");
+    assert!(!format!("{err:?} {err}").contains("topsecret"));
+}
