@@ -382,3 +382,100 @@ pub fn record(holder: &str, transitions: u64) -> leasehold::LeaseRecord {
         transitions,
     }
 }
+
+impl Etcd {
+    /// The index of the member that is the raft leader, if any member knows one.
+    pub async fn raft_leader(&self) -> Option<usize> {
+        for m in &self.members {
+            let config = self
+                .config_for(std::slice::from_ref(&m.client_url))
+                .with_operation_timeout(Duration::from_secs(1));
+            let Ok(store) = EtcdStore::connect(config).await else {
+                continue;
+            };
+            let mut c = store.client().clone();
+            let Ok(Ok(status)) = tokio::time::timeout(Duration::from_secs(1), c.status()).await
+            else {
+                continue;
+            };
+            let leader = status.leader();
+            let mut list = store.client().clone();
+            let Ok(Ok(members)) =
+                tokio::time::timeout(Duration::from_secs(1), list.member_list()).await
+            else {
+                continue;
+            };
+            for mem in members.members() {
+                if mem.id() == leader {
+                    return self.members.iter().position(|x| x.name == mem.name());
+                }
+            }
+        }
+        None
+    }
+}
+
+/// Samples electors' leading flags every 5 ms: counts samples at which more than one leads,
+/// and measures every leaderless gap (after the first leader was seen).
+pub struct LeaderSampler {
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    task: tokio::task::JoinHandle<SampleReport>,
+}
+
+/// What a [`LeaderSampler`] saw.
+#[derive(Debug, Default)]
+pub struct SampleReport {
+    /// Samples with two or more leaders.
+    pub overlaps: usize,
+    /// Leaderless gaps that ended with a new leader.
+    pub gaps: Vec<Duration>,
+}
+
+impl LeaderSampler {
+    pub fn start(electors: Vec<std::sync::Arc<leasehold::Elector>>) -> Self {
+        use std::sync::atomic::Ordering;
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let flag = stop.clone();
+        let task = tokio::spawn(async move {
+            let mut report = SampleReport::default();
+            let mut seen_leader = false;
+            let mut gap_start: Option<tokio::time::Instant> = None;
+            while !flag.load(Ordering::Relaxed) {
+                let leading = electors.iter().filter(|e| e.is_leading()).count();
+                if leading > 1 {
+                    report.overlaps += 1;
+                }
+                if leading == 0 && seen_leader && gap_start.is_none() {
+                    gap_start = Some(tokio::time::Instant::now());
+                }
+                if leading > 0 {
+                    seen_leader = true;
+                    if let Some(g) = gap_start.take() {
+                        report.gaps.push(g.elapsed());
+                    }
+                }
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+            report
+        });
+        LeaderSampler { stop, task }
+    }
+
+    /// Stops sampling and reports.
+    pub async fn finish(self) -> SampleReport {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        self.task.await.unwrap()
+    }
+}
+
+/// Waits (bounded by `limit`) until `cond` holds; returns how long it took, or `None`.
+pub async fn wait_for(limit: Duration, mut cond: impl FnMut() -> bool) -> Option<Duration> {
+    let start = tokio::time::Instant::now();
+    while start.elapsed() < limit {
+        if cond() {
+            return Some(start.elapsed());
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    None
+}
