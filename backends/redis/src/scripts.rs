@@ -14,6 +14,11 @@
 //!
 //! Versions come from the namespace counter, like etcd's revisions: they never repeat, also not
 //! after a delete and re-create, so a watcher can drop anything at or below what it has seen.
+//! The counter starts at the server's clock in microseconds when it is first needed (a new
+//! namespace, or a server that restarted without persistence and lost it), so versions keep
+//! growing across such a restart too (unless the server's clock went back, or more than a
+//! million writes a second were sustained): a compare-and-swap with a version read before the
+//! data loss cannot match a record written after it by accident.
 //!
 //! Data under a record key that is not such a hash (another type, a hash without `v`/`d`) is
 //! foreign. Its version is `x` followed by the SHA-1 of its `DUMP` serialisation: it stays the same
@@ -37,6 +42,10 @@ local function cur(key)
   return 'x' .. redis.sha1hex(redis.call('DUMP', key)), false
 end
 local function bump(revkey, cv)
+  if redis.call('EXISTS', revkey) == 0 then
+    local t = redis.call('TIME')
+    redis.call('SET', revkey, string.format('%d', tonumber(t[1]) * 1000000 + tonumber(t[2])))
+  end
   local nv = redis.call('INCR', revkey)
   local c = tonumber(cv)
   if c and nv <= c then

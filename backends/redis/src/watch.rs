@@ -78,7 +78,9 @@ impl Watcher {
     }
 
     fn apply_read(&mut self, tx: &Tx, raw: Raw, rev: u64) {
-        self.floor = self.floor.max(rev);
+        // The read is the current state: messages at or below its revision are older. (After a
+        // restart that lost data the counter may restart lower; the read is still the truth.)
+        self.floor = rev;
         match raw {
             Raw::None => self.deleted(tx),
             Raw::Record(version, data) => self.put(tx, version, &data),
