@@ -1,0 +1,247 @@
+//! [`LeaderLease`] (k0s's `LeasePool`), [`AlwaysLeading`], and their common interface
+//! [`LeaderElector`].
+
+use std::fmt;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use tokio::sync::watch;
+
+use super::callbacks::{CallbackDriver, LeaseCallback};
+use crate::elector::{Elector, ElectorConfig};
+use crate::error::Result;
+use crate::status::{LeaderStatus, Leadership, StatusCell, StatusChanged, StatusSource, StopCause};
+use crate::store::DynLeaseStore;
+
+/// What a controller component gets to find out whether it leads: k0s's
+/// `leaderelector.Interface`.
+///
+/// Use [`current_status`](StatusSource::current_status) (with
+/// [`run_leader_tasks`](crate::run_leader_tasks)); the callback methods are kept for code that
+/// has not migrated yet (see the README section "Migrating from callbacks to current_status").
+pub trait LeaderElector: StatusSource {
+    /// Whether this instance leads right now.
+    #[deprecated(
+        note = "use `current_status()` (and `run_leader_tasks`): a boolean snapshot can be stale by the time it is acted on"
+    )]
+    fn is_leader(&self) -> bool {
+        self.current_status().0.is_leading()
+    }
+
+    /// Registers a callback run each time leadership is acquired (and promptly, if registered
+    /// while leading). Callbacks run sequentially, in registration order, on a blocking-pool
+    /// thread; a panic is caught and logged.
+    #[deprecated(
+        note = "use `run_leader_tasks(token, &elector, |leader| ...)`: work started there is cancelled when leadership ends"
+    )]
+    fn add_acquired_lease_callback(&self, f: LeaseCallback);
+
+    /// Registers a callback run each time a term of leadership ends (lost, stopped or yielded),
+    /// after the acquired callbacks of that term. Sequential, in registration order, on a
+    /// blocking-pool thread; a panic is caught and logged.
+    #[deprecated(
+        note = "use `run_leader_tasks(token, &elector, |leader| ...)` and react to `leader.cancelled()` (the cause is `leader.cause()`)"
+    )]
+    fn add_lost_lease_callback(&self, f: LeaseCallback);
+}
+
+/// One leader lease with a lifecycle: k0s's `LeasePool` (which, despite its name, is a single
+/// lease that the controllers compete for).
+///
+/// [`start`](LeaderLease::start) spawns an [`Elector`] and the callback adapter of the
+/// deprecated API; [`stop`](LeaderLease::stop) ends leadership in order (leader tasks and
+/// lost-lease callbacks finish first), releases the lease and waits for everything to stop.
+///
+/// ```no_run
+/// # async fn demo(store: leasehold::DynLeaseStore) -> leasehold::Result<()> {
+/// use leasehold::{ElectorConfig, LeaseKey, run_leader_tasks};
+/// use leasehold::k0s::LeaderLease;
+/// use tokio_util::sync::CancellationToken;
+///
+/// let config = ElectorConfig::new(LeaseKey::new("k0s-endpoint-reconciler")?, "node-1");
+/// let lease = LeaderLease::start(store, config)?;
+/// let shutdown = CancellationToken::new();
+/// run_leader_tasks(shutdown.clone(), &lease, |leader| async move {
+///     // leader-only work, until leader.cancelled()
+///     leader.cancelled().await;
+/// })
+/// .await;
+/// lease.stop().await;
+/// # Ok(()) }
+/// ```
+#[doc(alias = "LeasePool")]
+pub struct LeaderLease {
+    elector: Arc<Elector>,
+    callbacks: CallbackDriver,
+}
+
+impl fmt::Debug for LeaderLease {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("LeaderLease")
+            .field("elector", &self.elector)
+            .finish_non_exhaustive()
+    }
+}
+
+// === impl LeaderLease ===
+
+impl LeaderLease {
+    /// Validates `config` and starts campaigning on `store`.
+    ///
+    /// # Errors
+    /// [`Error::InvalidConfig`](crate::Error::InvalidConfig) when the configuration is invalid.
+    ///
+    /// # Panics
+    /// When called outside a Tokio runtime.
+    pub fn start(store: DynLeaseStore, config: ElectorConfig) -> Result<Self> {
+        let elector = Arc::new(Elector::spawn(store, config)?);
+        let callbacks = CallbackDriver::spawn(elector.clone());
+        Ok(LeaderLease { elector, callbacks })
+    }
+
+    /// The elector behind this lease (for its health check, leader identity, configuration).
+    pub fn elector(&self) -> &Elector {
+        &self.elector
+    }
+
+    /// A `tokio::sync::watch` receiver of the status.
+    pub fn subscribe(&self) -> watch::Receiver<LeaderStatus> {
+        self.elector.subscribe()
+    }
+
+    /// Gives up the lease (in order: leader tasks and lost-lease callbacks finish first) and does
+    /// not campaign for `duration` (k0s's `YieldLease`). A new yield while yielding extends it.
+    ///
+    /// # Errors
+    /// [`Error::Shutdown`](crate::Error::Shutdown) when the lease has been stopped.
+    ///
+    /// # Cancel safety
+    /// Cancel safe: once the request reached the elector, the yield goes ahead regardless.
+    pub async fn yield_lease(&self, duration: Duration) -> Result<()> {
+        self.elector.yield_for(duration).await
+    }
+
+    /// Stops in order: ends leadership (leader tasks are cancelled with
+    /// [`StopCause::SteppedDown`] and the lost-lease callbacks run), releases the lease once they
+    /// have finished (bounded by the lease's validity), then stops the callback adapter. Calling
+    /// it again returns at once.
+    ///
+    /// # Cancel safety
+    /// Cancel safe: the shutdown goes ahead in the background if this future is dropped.
+    pub async fn stop(&self) {
+        self.elector.shutdown().await;
+        self.callbacks.stop().await;
+    }
+}
+
+impl StatusSource for LeaderLease {
+    fn current_status(&self) -> (LeaderStatus, StatusChanged) {
+        self.elector.current_status()
+    }
+}
+
+#[allow(deprecated)]
+impl LeaderElector for LeaderLease {
+    fn add_acquired_lease_callback(&self, f: LeaseCallback) {
+        self.callbacks.add_acquired(f);
+    }
+
+    fn add_lost_lease_callback(&self, f: LeaseCallback) {
+        self.callbacks.add_lost(f);
+    }
+}
+
+/// A leader elector that leads from creation until [`stop`](AlwaysLeading::stop), for
+/// single-controller setups (k0s's `Dummy` / `AlwaysLeading`).
+///
+/// Unlike k0s's, it ends its single term on `stop`: leader tasks are cancelled with
+/// [`StopCause::SteppedDown`] and the lost-lease callbacks run, so components behave the same
+/// as with a [`LeaderLease`]. The fencing token is 0.
+pub struct AlwaysLeading {
+    cell: StatusCell,
+    term: Mutex<Option<Leadership>>,
+    callbacks: CallbackDriver,
+}
+
+impl fmt::Debug for AlwaysLeading {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("AlwaysLeading")
+            .field("status", &self.cell.get())
+            .finish_non_exhaustive()
+    }
+}
+
+// === impl AlwaysLeading ===
+
+impl AlwaysLeading {
+    /// A leader elector that leads at once.
+    ///
+    /// # Panics
+    /// When called outside a Tokio runtime.
+    pub fn new() -> Self {
+        let (leadership, _released) = Leadership::new(0);
+        let cell = StatusCell::new(LeaderStatus::Leading(leadership.clone()));
+        let callbacks = CallbackDriver::spawn(cell.clone());
+        AlwaysLeading {
+            cell,
+            term: Mutex::new(Some(leadership)),
+            callbacks,
+        }
+    }
+
+    /// A `tokio::sync::watch` receiver of the status.
+    pub fn subscribe(&self) -> watch::Receiver<LeaderStatus> {
+        self.cell.subscribe()
+    }
+
+    /// Does nothing: there is nobody to yield to. Returns at once.
+    ///
+    /// # Errors
+    /// Never.
+    ///
+    /// # Cancel safety
+    /// Cancel safe.
+    pub async fn yield_lease(&self, duration: Duration) -> Result<()> {
+        tracing::debug!(?duration, "always leading: nothing to yield");
+        Ok(())
+    }
+
+    /// Ends the term: the status becomes not leading, leader tasks are cancelled with
+    /// [`StopCause::SteppedDown`], and the lost-lease callbacks run; returns once they have.
+    /// Calling it again returns at once.
+    ///
+    /// # Cancel safety
+    /// Cancel safe: the term has ended once the first poll returned; the callbacks finish in the
+    /// background.
+    pub async fn stop(&self) {
+        let term = self.term.lock().unwrap_or_else(|e| e.into_inner()).take();
+        if let Some(term) = term {
+            term.mark_ended(StopCause::SteppedDown);
+            self.cell.set(LeaderStatus::NotLeading { leader: None });
+        }
+        self.callbacks.stop().await;
+    }
+}
+
+impl Default for AlwaysLeading {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl StatusSource for AlwaysLeading {
+    fn current_status(&self) -> (LeaderStatus, StatusChanged) {
+        self.cell.current_status()
+    }
+}
+
+#[allow(deprecated)]
+impl LeaderElector for AlwaysLeading {
+    fn add_acquired_lease_callback(&self, f: LeaseCallback) {
+        self.callbacks.add_acquired(f);
+    }
+
+    fn add_lost_lease_callback(&self, f: LeaseCallback) {
+        self.callbacks.add_lost(f);
+    }
+}
