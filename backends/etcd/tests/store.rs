@@ -274,7 +274,7 @@ async fn a_hung_server_gives_a_typed_timeout() {
     let addr = listener.local_addr().unwrap();
     let config = EtcdConfig::new([format!("http://{addr}")])
         .with_operation_timeout(Duration::from_millis(500))
-        .with_connect_timeout(Duration::from_millis(500));
+        .with_connect_timeout(Duration::from_secs(30));
     let store = EtcdStore::connect(config).await.unwrap();
     let k = key("hung");
     let started = std::time::Instant::now();
@@ -284,10 +284,7 @@ async fn a_hung_server_gives_a_typed_timeout() {
         store.watch(&k, None).await.map(|_| ()),
     ] {
         let e = result.unwrap_err();
-        assert!(
-            matches!(e, Error::Timeout { .. } | Error::Unavailable { .. }),
-            "{e:?}"
-        );
+        assert!(matches!(e, Error::Timeout { .. }), "{e:?}");
         assert!(e.is_retryable(), "{e:?}");
     }
     // Bounded: three operations, each cut off (generous bound; this asserts "no hang").
@@ -367,4 +364,17 @@ async fn invalid_configuration_is_rejected() {
         let e: Error = e.into();
         assert!(matches!(e, Error::InvalidConfig(_)), "{e:?}");
     }
+}
+
+#[test]
+#[should_panic(expected = "install the Debian package `etcd-server`")]
+fn a_missing_etcd_binary_names_the_package_to_install() {
+    let empty = tempfile::tempdir().unwrap();
+    common::find_etcd(None, Some(empty.path().as_os_str().to_owned()));
+}
+
+#[test]
+fn the_fixture_finds_etcd_here() {
+    // This machine has etcd installed (scripts/test installs it); the fixture must find it.
+    assert!(common::etcd_binary().is_file());
 }

@@ -43,10 +43,25 @@ rm -rf "$dir"
 
 /// The etcd binary, or a panic that says what to install.
 pub fn etcd_binary() -> PathBuf {
-    if let Ok(p) = std::env::var("LEASEHOLD_ETCD_BIN") {
-        return PathBuf::from(p);
+    find_etcd(
+        std::env::var_os("LEASEHOLD_ETCD_BIN"),
+        std::env::var_os("PATH"),
+    )
+}
+
+/// `bin` if given (it must exist), else `etcd` on `path`; panics naming the Debian package.
+pub fn find_etcd(bin: Option<std::ffi::OsString>, path: Option<std::ffi::OsString>) -> PathBuf {
+    if let Some(p) = bin {
+        let p = PathBuf::from(p);
+        assert!(
+            p.is_file(),
+            "LEASEHOLD_ETCD_BIN={} does not exist: install the Debian package `etcd-server` \
+             (apt-get install etcd-server) or fix the path",
+            p.display()
+        );
+        return p;
     }
-    let found = std::env::var_os("PATH").and_then(|paths| {
+    let found = path.and_then(|paths| {
         std::env::split_paths(&paths)
             .map(|d| d.join("etcd"))
             .find(|p| p.is_file())
