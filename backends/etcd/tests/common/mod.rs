@@ -78,10 +78,19 @@ pub fn find_etcd(bin: Option<std::ffi::OsString>, path: Option<std::ffi::OsStrin
 }
 
 fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("a free loopback port")
+    free_ports(1)[0]
+}
+
+/// `n` distinct free loopback ports (all bound at once, so none repeats, then released for
+/// etcd to take).
+fn free_ports(n: usize) -> Vec<u16> {
+    let listeners: Vec<TcpListener> = (0..n)
+        .map(|_| TcpListener::bind("127.0.0.1:0").expect("a free loopback port"))
+        .collect();
+    listeners
+        .iter()
+        .map(|l| l.local_addr().expect("a bound address").port())
+        .collect()
 }
 
 fn scratch_root() -> PathBuf {
@@ -169,7 +178,8 @@ impl Etcd {
     pub async fn start_cluster(n: usize, tls: Option<ServerTls>) -> Etcd {
         let bin = etcd_binary();
         let scheme = if tls.is_some() { "https" } else { "http" };
-        let ports: Vec<(u16, u16)> = (0..n).map(|_| (free_port(), free_port())).collect();
+        let free = free_ports(2 * n);
+        let ports: Vec<(u16, u16)> = (0..n).map(|i| (free[2 * i], free[2 * i + 1])).collect();
         let initial: Vec<String> = ports
             .iter()
             .enumerate()
