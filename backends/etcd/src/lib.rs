@@ -32,11 +32,10 @@
 //!
 //! The fencing token leasehold hands to leader tasks (the record's `transitions`) is **strictly
 //! increasing** across terms on etcd, because every acquisition is a linearizable
-//! compare-and-swap on the previous version. If the resources you protect live in the same
-//! etcd, you can also fence with etcd's own revision, as `etcdctl lock` does with
-//! `ETCD_LOCK_REV`: the version returned by the acquiring `create`/`update` is that write's
-//! `mod_revision` (parse it with [`revision`]); guard your writes with a transaction comparing
-//! the lease key's `mod_revision` ([`EtcdStore::etcd_key`], [`EtcdStore::client`]).
+//! compare-and-swap on the previous version. etcd's revision offers a second, global token, as
+//! `etcdctl lock` does with `ETCD_LOCK_REV`: the version returned by `create`/`update` is the
+//! write's `mod_revision` ([`revision`] parses it), and
+//! [`EtcdStore::acquisition_revision`] gives the revision of the write that acquired a term.
 //!
 //! # Failures and timeouts
 //!

@@ -1,7 +1,9 @@
 //! [`EtcdStore`]: the [`LeaseStore`] over etcd's v3 API.
 
+use std::collections::HashMap;
 use std::fmt;
 use std::future::Future;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -29,19 +31,26 @@ use crate::error::{EtcdError, from_client};
 ///
 /// The elector's fencing token (the record's `transitions`) is strictly increasing across terms
 /// on etcd: every acquisition is a linearizable compare-and-swap on the previous version, so no
-/// two acquisitions can both build on the same record. For resources that live **in the same
-/// etcd**, etcd's own revision is an even stronger token: the [`Version`] returned by
-/// [`create`](LeaseStore::create) and [`update`](LeaseStore::update) is the `mod_revision` of
-/// the write, which is store-wide strictly increasing (like `ETCD_LOCK_REV` that `etcdctl lock`
-/// exports). Parse it with [`revision`] and guard your own writes with
-/// `Compare::mod_revision(<prefix><key>, CompareOp::Equal, rev)` in the same transaction
-/// (see [`EtcdStore::etcd_key`] and [`EtcdStore::client`]).
+/// two acquisitions can both build on the same record.
+///
+/// etcd's own revision is a second token, global across keys, like the `ETCD_LOCK_REV` that
+/// `etcdctl lock` exports: the [`Version`] returned by [`create`](LeaseStore::create) and
+/// [`update`](LeaseStore::update) is the `mod_revision` of that write (parse it with
+/// [`revision`]), and the revision of the write that *acquired* a term is strictly greater than
+/// that of every earlier acquisition. [`EtcdStore::acquisition_revision`] returns it for a term
+/// this store wrote. Hand it to the protected resource, which must reject a lower one. Renewals
+/// change the key's `mod_revision`, so a transaction that guards a write in the same etcd by
+/// comparing the lease key's `mod_revision` must use the version of the latest renewal, not the
+/// acquisition revision.
 #[derive(Clone)]
 pub struct EtcdStore {
     pub(crate) client: Client,
     pub(crate) prefix: String,
     pub(crate) timeout: Duration,
     config: EtcdConfig,
+    /// Per key: the `transitions` of the last record this store wrote and the revision of the
+    /// first write that carried it (the acquiring write).
+    acquisitions: Arc<Mutex<HashMap<LeaseKey, (u64, i64)>>>,
 }
 
 /// Parses a [`Version`] from this store as the etcd revision it is (the record's
@@ -103,7 +112,41 @@ impl EtcdStore {
             prefix: config.prefix.clone(),
             timeout: config.operation_timeout,
             config,
+            acquisitions: Arc::default(),
         })
+    }
+
+    /// The etcd revision of the write that acquired the term with fencing token `transitions`
+    /// on `key`, if this store (or a clone of it) wrote it: the first write it made carrying
+    /// that `transitions` value. Strictly increasing across terms, like `ETCD_LOCK_REV`.
+    ///
+    /// ```no_run
+    /// # async fn demo(store: leasehold_etcd::EtcdStore, elector: leasehold::Elector) {
+    /// let (status, _changed) = elector.current_status();
+    /// if let Some(term) = status.leadership() {
+    ///     let rev = store.acquisition_revision(&elector.config().key, term.fencing_token());
+    ///     // hand `rev` to the protected resource
+    /// #   let _ = rev;
+    /// }
+    /// # }
+    /// ```
+    pub fn acquisition_revision(&self, key: &LeaseKey, transitions: u64) -> Option<i64> {
+        let map = self.acquisitions.lock().unwrap_or_else(|e| e.into_inner());
+        match map.get(key) {
+            Some((t, rev)) if *t == transitions => Some(*rev),
+            _ => None,
+        }
+    }
+
+    fn note_write(&self, key: &LeaseKey, record: &LeaseRecord, version: &Version) {
+        let Some(rev) = revision(version) else { return };
+        let mut map = self.acquisitions.lock().unwrap_or_else(|e| e.into_inner());
+        match map.get(key) {
+            Some((t, _)) if *t == record.transitions => {}
+            _ => {
+                map.insert(key.clone(), (record.transitions, rev));
+            }
+        }
     }
 
     /// The etcd key a lease key is stored under: `<prefix><key>`.
@@ -284,7 +327,9 @@ impl LeaseStore for EtcdStore {
                 key: key.to_string(),
             });
         }
-        header_version("create", resp.header())
+        let version = header_version("create", resp.header())?;
+        self.note_write(key, record, &version);
+        Ok(version)
     }
 
     async fn update(
@@ -295,7 +340,9 @@ impl LeaseStore for EtcdStore {
     ) -> Result<Version> {
         let op = TxnOp::put(self.etcd_key(key), codec::encode(record), None);
         let rev = self.cas("update", key, expected, op).await?;
-        positive("update", rev)
+        let version = positive("update", rev)?;
+        self.note_write(key, record, &version);
+        Ok(version)
     }
 
     async fn delete(&self, key: &LeaseKey, expected: &Version) -> Result<()> {
