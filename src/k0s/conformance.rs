@@ -3,7 +3,7 @@
 //! Each case is a plain `pub async fn case(store: DynLeaseStore)` that panics on failure, like
 //! the cases of [`crate::conformance`]; they use its short timings and a random key prefix, and
 //! never assert an upper bound on time (waits fail only after
-//! [`WAIT_LIMIT`](crate::conformance::WAIT_LIMIT)). Run them on the memory store with paused
+//! [`WAIT_LIMIT`]). Run them on the memory store with paused
 //! time, or on a real store.
 
 #![allow(deprecated)] // the cases exercise the deprecated callback API on purpose
