@@ -1,0 +1,191 @@
+//! The crate's own error type and the conversion of kube-rs errors into [`leasehold::Error`].
+
+use std::time::Duration;
+
+use kube::core::Status;
+use leasehold::{LeaseKey, Version};
+
+use crate::STORE_NAME;
+
+/// What can go wrong while setting up a [`KubeStore`](crate::KubeStore). Errors of store
+/// operations are [`leasehold::Error`]s.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// No Kubernetes client configuration could be found (no kubeconfig, not in a cluster).
+    #[error("cannot build a Kubernetes client from the environment: {0}")]
+    Client(#[source] kube::Error),
+
+    /// A configuration value was out of range.
+    #[error("invalid kubernetes store configuration: {0}")]
+    InvalidConfig(String),
+}
+
+impl From<Error> for leasehold::Error {
+    fn from(e: Error) -> Self {
+        match e {
+            Error::InvalidConfig(msg) => leasehold::Error::InvalidConfig(msg),
+            Error::Client(source) => leasehold::Error::Store {
+                store: STORE_NAME,
+                message: format!("cannot build a Kubernetes client from the environment: {source}"),
+                retryable: false,
+                source: Some(Box::new(source)),
+            },
+        }
+    }
+}
+
+/// A store operation, for error messages and the RBAC verb it needs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Op {
+    Get,
+    Create,
+    Update,
+    Delete,
+    Watch,
+    List,
+}
+
+impl Op {
+    /// The operation's name in [`leasehold::Error::Timeout`].
+    pub(crate) fn name(self) -> &'static str {
+        match self {
+            Op::Get => "get",
+            Op::Create => "create",
+            Op::Update => "update",
+            Op::Delete => "delete",
+            Op::Watch => "watch",
+            Op::List => "list",
+        }
+    }
+
+    /// The RBAC verb the operation needs on `leases`.
+    pub(crate) fn verb(self) -> &'static str {
+        // The verbs coincide with the operation names.
+        self.name()
+    }
+}
+
+/// The context an error happened in.
+pub(crate) struct Ctx<'a> {
+    pub(crate) op: Op,
+    pub(crate) namespace: &'a str,
+    pub(crate) key: Option<&'a LeaseKey>,
+    pub(crate) expected: Option<&'a Version>,
+}
+
+impl Ctx<'_> {
+    fn key_string(&self) -> String {
+        self.key.map(ToString::to_string).unwrap_or_default()
+    }
+}
+
+/// The operation did not finish within `after`.
+pub(crate) fn timeout(op: Op, after: Duration) -> leasehold::Error {
+    leasehold::Error::Timeout {
+        store: STORE_NAME,
+        operation: op.name(),
+        after,
+    }
+}
+
+/// Maps a `Status` the API server answered with.
+pub(crate) fn map_status(status: &Status, ctx: &Ctx<'_>) -> leasehold::Error {
+    let msg = if status.message.is_empty() {
+        format!("HTTP {} {}", status.code, status.reason)
+    } else {
+        status.message.clone()
+    };
+    match status.code {
+        409 if status.reason == "AlreadyExists" || ctx.op == Op::Create => {
+            leasehold::Error::AlreadyExists {
+                key: ctx.key_string(),
+            }
+        }
+        409 => match ctx.expected {
+            Some(expected) => leasehold::Error::Conflict {
+                key: ctx.key_string(),
+                expected: expected.clone(),
+            },
+            None => leasehold::Error::Store {
+                store: STORE_NAME,
+                message: msg,
+                retryable: false,
+                source: None,
+            },
+        },
+        404 if matches!(ctx.op, Op::Update | Op::Delete) => leasehold::Error::NotFound {
+            key: ctx.key_string(),
+        },
+        401 => leasehold::Error::Unauthenticated {
+            store: STORE_NAME,
+            message: format!(
+                "{msg} (the API server did not accept the client's credentials: check the token, \
+                 client certificate or kubeconfig)"
+            ),
+        },
+        403 => leasehold::Error::PermissionDenied {
+            store: STORE_NAME,
+            message: format!(
+                "missing RBAC permission: {} leases.coordination.k8s.io in namespace {} \
+                 (grant it with a Role, see deploy/rbac.yaml; server said: {msg})",
+                ctx.op.verb(),
+                ctx.namespace
+            ),
+        },
+        422 => leasehold::Error::Invalid {
+            store: STORE_NAME,
+            message: msg,
+        },
+        400 => leasehold::Error::Invalid {
+            store: STORE_NAME,
+            message: msg,
+        },
+        408 | 429 | 500..=599 => leasehold::Error::Unavailable {
+            store: STORE_NAME,
+            message: format!("{} failed with HTTP {}: {msg}", ctx.op.name(), status.code),
+            source: None,
+        },
+        _ => leasehold::Error::Store {
+            store: STORE_NAME,
+            message: format!("{} failed with HTTP {}: {msg}", ctx.op.name(), status.code),
+            retryable: false,
+            source: None,
+        },
+    }
+}
+
+/// Maps any kube-rs error.
+pub(crate) fn map_kube(err: kube::Error, ctx: &Ctx<'_>) -> leasehold::Error {
+    match err {
+        kube::Error::Api(status) => map_status(&status, ctx),
+        e @ (kube::Error::HyperError(_)
+        | kube::Error::Service(_)
+        | kube::Error::ReadEvents(_)
+        | kube::Error::LinesCodecMaxLineLengthExceeded
+        | kube::Error::FromUtf8(_)) => leasehold::Error::Unavailable {
+            store: STORE_NAME,
+            message: format!("{} request failed: {e}", ctx.op.name()),
+            source: Some(Box::new(e)),
+        },
+        e @ kube::Error::SerdeError(_) => leasehold::Error::Store {
+            store: STORE_NAME,
+            message: format!(
+                "{}: the API server's answer could not be decoded: {e}",
+                ctx.op.name()
+            ),
+            retryable: true,
+            source: Some(Box::new(e)),
+        },
+        e @ kube::Error::Auth(_) => leasehold::Error::Unauthenticated {
+            store: STORE_NAME,
+            message: format!("cannot obtain credentials for the API server: {e}"),
+        },
+        e => leasehold::Error::Store {
+            store: STORE_NAME,
+            message: format!("{} failed: {e}", ctx.op.name()),
+            retryable: false,
+            source: Some(Box::new(e)),
+        },
+    }
+}
