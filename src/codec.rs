@@ -47,8 +47,7 @@ pub fn format_micro_time(t: SystemTime) -> String {
 /// # Errors
 /// A message saying what is wrong with the text.
 pub fn parse_time(s: &str) -> std::result::Result<SystemTime, String> {
-    humantime::parse_rfc3339_weak(s)
-        .map_err(|e| format!("time {s:?} is not RFC 3339 in UTC: {e}"))
+    humantime::parse_rfc3339_weak(s).map_err(|e| format!("time {s:?} is not RFC 3339 in UTC: {e}"))
 }
 
 /// Encodes a record as client-go `LeaderElectionRecord` JSON.

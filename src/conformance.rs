@@ -5,7 +5,7 @@
 //! `#[tokio::test]` per case for a store constructor, so every store's test output lists every
 //! case by name:
 //!
-//! ```ignore
+//! ```text
 //! async fn make_store() -> leasehold::DynLeaseStore { /* connect to the test server */ }
 //! leasehold::conformance_suite!(make_store);
 //! ```
@@ -150,7 +150,10 @@ pub async fn store_create_existing_fails(store: DynLeaseStore) {
 pub async fn store_stale_versions_conflict(store: DynLeaseStore) {
     let key = unique_key("stale");
     let v1 = fail("create", store.create(&key, &sample_record("a", 0)).await);
-    let v2 = fail("update", store.update(&key, &sample_record("b", 1), &v1).await);
+    let v2 = fail(
+        "update",
+        store.update(&key, &sample_record("b", 1), &v1).await,
+    );
     match store.update(&key, &sample_record("c", 2), &v1).await {
         Err(Error::Conflict { key: k, expected }) => {
             assert_eq!(k, key.as_str());
@@ -163,7 +166,10 @@ pub async fn store_stale_versions_conflict(store: DynLeaseStore) {
         other => panic!("delete with a stale version: expected Conflict, got {other:?}"),
     }
     let got = fail("get", store.get(&key).await).expect("record present");
-    assert_eq!(got.record.holder_identity, "b", "failed writes changed nothing");
+    assert_eq!(
+        got.record.holder_identity, "b",
+        "failed writes changed nothing"
+    );
     assert_eq!(got.version, v2);
     fail("delete", store.delete(&key, &v2).await);
     match store.update(&key, &sample_record("d", 3), &v2).await {
@@ -180,7 +186,10 @@ pub async fn store_stale_versions_conflict(store: DynLeaseStore) {
 pub async fn store_concurrent_updates_one_wins(store: DynLeaseStore) {
     const N: usize = 8;
     let key = unique_key("race-update");
-    let v = fail("create", store.create(&key, &sample_record("start", 0)).await);
+    let v = fail(
+        "create",
+        store.create(&key, &sample_record("start", 0)).await,
+    );
     let mut tasks = Vec::new();
     for i in 0..N {
         let (store, key, v) = (store.clone(), key.clone(), v.clone());
@@ -198,9 +207,16 @@ pub async fn store_concurrent_updates_one_wins(store: DynLeaseStore) {
             Err(e) => panic!("racing update {i}: expected success or Conflict, got {e:?}"),
         }
     }
-    assert_eq!(winners.len(), 1, "exactly one racing update wins: {winners:?}");
+    assert_eq!(
+        winners.len(),
+        1,
+        "exactly one racing update wins: {winners:?}"
+    );
     let got = fail("get", store.get(&key).await).expect("record present");
-    assert_eq!(got.record.holder_identity, format!("writer-{}", winners[0].0));
+    assert_eq!(
+        got.record.holder_identity,
+        format!("writer-{}", winners[0].0)
+    );
     assert_eq!(got.version, winners[0].1);
     fail("cleanup", store.delete(&key, &got.version).await);
 }
@@ -226,9 +242,16 @@ pub async fn store_concurrent_creates_one_wins(store: DynLeaseStore) {
             Err(e) => panic!("racing create {i}: expected success or AlreadyExists, got {e:?}"),
         }
     }
-    assert_eq!(winners.len(), 1, "exactly one racing create wins: {winners:?}");
+    assert_eq!(
+        winners.len(),
+        1,
+        "exactly one racing create wins: {winners:?}"
+    );
     let got = fail("get", store.get(&key).await).expect("record present");
-    assert_eq!(got.record.holder_identity, format!("creator-{}", winners[0].0));
+    assert_eq!(
+        got.record.holder_identity,
+        format!("creator-{}", winners[0].0)
+    );
     fail("cleanup", store.delete(&key, &got.version).await);
 }
 
@@ -275,7 +298,10 @@ pub async fn store_watch_loses_nothing_after_get(store: DynLeaseStore) {
     let v2 = fail("update", store.update(&key, &rec2, &v1).await);
     let mut stream = fail("watch", store.watch(&key, Some(&seen.version)).await);
     let (got, got_v) = put_version(next_event(&mut stream, "watch").await, "watch");
-    assert_eq!(got, rec2, "the change made between get and watch is delivered");
+    assert_eq!(
+        got, rec2,
+        "the change made between get and watch is delivered"
+    );
     assert_eq!(got_v, v2);
     let rec3 = sample_record("c", 2);
     let v3 = fail("update", store.update(&key, &rec3, &v2).await);
@@ -292,7 +318,12 @@ pub async fn store_watch_from_current_state(store: DynLeaseStore) {
     }
     let key = unique_key("watch-now");
     let mut stream = fail("watch", store.watch(&key, None).await);
-    assert_no_event(&mut stream, Duration::from_millis(300), "watch of a missing key").await;
+    assert_no_event(
+        &mut stream,
+        Duration::from_millis(300),
+        "watch of a missing key",
+    )
+    .await;
     let rec = sample_record("a", 0);
     let v1 = fail("create", store.create(&key, &rec).await);
     let (got, got_v) = put_version(next_event(&mut stream, "creation").await, "creation");
@@ -332,7 +363,10 @@ pub async fn store_list_by_prefix(store: DynLeaseStore) {
         .iter()
         .map(|(k, v)| (k.clone(), v.record.clone(), v.version.clone()))
         .collect();
-    assert_eq!(got, expected, "list returns exactly the keys under the prefix");
+    assert_eq!(
+        got, expected,
+        "list returns exactly the keys under the prefix"
+    );
     let empty = KeyPrefix::new(format!("{base}none-")).expect("valid prefix");
     assert!(fail("list", store.list(&empty).await).is_empty());
     for (k, _, v) in expected {
@@ -341,7 +375,10 @@ pub async fn store_list_by_prefix(store: DynLeaseStore) {
     for (k, v) in others {
         fail("cleanup", store.delete(&k, &v).await);
     }
-    assert!(fail("list", store.list(&prefix).await).is_empty(), "deleted keys are gone from list");
+    assert!(
+        fail("list", store.list(&prefix).await).is_empty(),
+        "deleted keys are gone from list"
+    );
 }
 
 /// Invalid keys should be rejected with `InvalidKey` naming the rule, before any store sees them.
@@ -381,13 +418,16 @@ pub async fn store_unicode_and_max_length_round_trip(store: DynLeaseStore) {
     let key = LeaseKey::new(&long_key).expect("a 253-character key is valid");
     assert_eq!(key.as_str().len(), MAX_KEY_LEN);
     let mut ident = String::from("ノード-ß-🦀-");
-    while ident.len() + 1 <= MAX_IDENTITY_LEN {
+    while ident.len() < MAX_IDENTITY_LEN {
         ident.push('x');
     }
     let rec = sample_record(&ident, 42);
     let v = fail("create", store.create(&key, &rec).await);
     let got = fail("get", store.get(&key).await).expect("record present");
-    assert_eq!(got.record, rec, "unicode, maximum-length identity round-trips");
+    assert_eq!(
+        got.record, rec,
+        "unicode, maximum-length identity round-trips"
+    );
     let unicode = sample_record("контроллер-1", 43);
     let v2 = fail("update", store.update(&key, &unicode, &v).await);
     assert_eq!(
@@ -406,12 +446,18 @@ pub async fn store_record_fields_round_trip(store: DynLeaseStore) {
     rec.renew_time = None;
     rec.lease_duration = Duration::from_secs(1);
     let mut v = fail("create", store.create(&key, &rec).await);
-    assert_eq!(fail("get", store.get(&key).await).expect("present").record, rec);
+    assert_eq!(
+        fail("get", store.get(&key).await).expect("present").record,
+        rec
+    );
     for transitions in [1u64, 1_000, i32::MAX as u64] {
         let mut r = sample_record("holder", transitions);
         r.lease_duration = Duration::from_secs(60);
         v = fail("update", store.update(&key, &r, &v).await);
-        assert_eq!(fail("get", store.get(&key).await).expect("present").record, r);
+        assert_eq!(
+            fail("get", store.get(&key).await).expect("present").record,
+            r
+        );
     }
     fail("cleanup", store.delete(&key, &v).await);
 }
@@ -479,7 +525,11 @@ impl Monitor {
         }
     }
 
-    async fn wait_for(&mut self, what: &str, pred: impl FnMut(&LeaderStatus) -> bool) -> (LeaderStatus, Instant) {
+    async fn wait_for(
+        &mut self,
+        what: &str,
+        pred: impl FnMut(&LeaderStatus) -> bool,
+    ) -> (LeaderStatus, Instant) {
         let res = match timeout(WAIT_LIMIT, self.rx.wait_for(pred)).await {
             Err(_) => None,
             Ok(Err(_)) => panic!("{}: elector went away while waiting for {what}", self.name),
@@ -496,7 +546,12 @@ impl Monitor {
 
     async fn leading(&mut self) -> (u64, Instant) {
         let (s, t) = self.wait_for("leading", LeaderStatus::is_leading).await;
-        (s.leadership().map(|l| l.fencing_token()).unwrap_or_default(), t)
+        (
+            s.leadership()
+                .map(|l| l.fencing_token())
+                .unwrap_or_default(),
+            t,
+        )
     }
 
     async fn not_leading(&mut self) -> Instant {
@@ -528,7 +583,10 @@ pub async fn elector_single_candidate_acquires(store: DynLeaseStore) {
     let key = unique_key("single");
     let a = spawn(&handle(&store), &key, "cand-a");
     let (token, _) = Monitor::new(&a, "a").leading().await;
-    assert_eq!(token, 0, "the first acquisition of a new record has fencing token 0");
+    assert_eq!(
+        token, 0,
+        "the first acquisition of a new record has fencing token 0"
+    );
     let rec = fail("get", store.get(&key).await).expect("the elector created the record");
     assert_eq!(rec.record.holder_identity, "cand-a");
     assert_eq!(rec.record.transitions, 0);
@@ -537,8 +595,15 @@ pub async fn elector_single_candidate_acquires(store: DynLeaseStore) {
     a.shutdown().await;
     assert!(!a.is_leading());
     let rec = fail("get", store.get(&key).await).expect("record kept");
-    assert_eq!(rec.record.holder_identity, "", "shutdown releases the lease");
-    assert_eq!(rec.record.lease_duration, Duration::from_secs(1), "release writes 1 s");
+    assert_eq!(
+        rec.record.holder_identity, "",
+        "shutdown releases the lease"
+    );
+    assert_eq!(
+        rec.record.lease_duration,
+        Duration::from_secs(1),
+        "release writes 1 s"
+    );
     cleanup(&store, &key).await;
 }
 
@@ -629,7 +694,8 @@ pub async fn elector_crash_takeover_after_expiry(store: DynLeaseStore) {
     let (ta, _) = ma.leading().await;
     let b = spawn(&handle(&store), &key, "cand-b");
     let mut mb = Monitor::new(&b, "b");
-    mb.wait_for("following a", |s| s.leader() == Some("cand-a")).await;
+    mb.wait_for("following a", |s| s.leader() == Some("cand-a"))
+        .await;
     let crash = Instant::now();
     ha.faults().set_partitioned(true);
     // Both waits run at once, so each instant is taken when its change happens.
@@ -642,7 +708,10 @@ pub async fn elector_crash_takeover_after_expiry(store: DynLeaseStore) {
         "b took over {:?} after the crash, before the lease ({LEASE:?}) could expire",
         b_at.duration_since(crash)
     );
-    assert!(a_down <= b_at, "the old leader stepped down before the new one led");
+    assert!(
+        a_down <= b_at,
+        "the old leader stepped down before the new one led"
+    );
     assert_eq!(
         ma.rx.borrow().leader(),
         None,
@@ -663,11 +732,15 @@ pub async fn elector_renew_failure_steps_down_first(store: DynLeaseStore) {
     ma.leading().await;
     let b = spawn(&handle(&store), &key, "cand-b");
     let mut mb = Monitor::new(&b, "b");
-    mb.wait_for("following a", |s| s.leader() == Some("cand-a")).await;
+    mb.wait_for("following a", |s| s.leader() == Some("cand-a"))
+        .await;
     let broken = Instant::now();
     ha.faults().fail_for(WAIT_LIMIT);
     let (a_down, (_, b_at)) = tokio::join!(ma.not_leading(), mb.leading());
-    assert!(a_down < b_at, "the failing leader stepped down before the follower led");
+    assert!(
+        a_down < b_at,
+        "the failing leader stepped down before the follower led"
+    );
     assert!(
         a_down.duration_since(broken) + RETRY >= RENEW,
         "a stepped down only once its renew deadline passed"
@@ -746,7 +819,10 @@ pub async fn elector_release_after_leader_tasks(store: DynLeaseStore) {
         "the lease was still held while the leader task finished"
     );
     let guard_dropped = dropper.await.expect("dropper");
-    assert!(guard_dropped <= released, "release waited for the outside guard");
+    assert!(
+        guard_dropped <= released,
+        "release waited for the outside guard"
+    );
     let rec = fail("get", store.get(&key).await).expect("present");
     assert_eq!(rec.record.holder_identity, "", "released after the tasks");
     stop.cancel();
@@ -768,7 +844,10 @@ pub async fn elector_yield(store: DynLeaseStore) {
     assert_eq!(rec.record.holder_identity, "", "yield released the lease");
     // With no one else around, a takes the lease back only after the yield.
     let (t1, at) = ma.leading().await;
-    assert!(at.duration_since(start) >= hold, "no campaign during the yield");
+    assert!(
+        at.duration_since(start) >= hold,
+        "no campaign during the yield"
+    );
     assert!(t1 > t0);
     // A follower takes over during another yield.
     let b = spawn(&handle(&store), &key, "cand-b");
@@ -843,7 +922,12 @@ pub async fn elector_watching_follower_is_quiet(store: DynLeaseStore) {
     let elapsed = start.elapsed();
     let (b1, a1) = (hb.faults().requests(), ha.faults().writes());
     assert!(b.leader().as_deref() == Some("cand-a"));
-    assert_eq!(b1 - b0, 0, "a watching follower sent {} requests in {elapsed:?}", b1 - b0);
+    assert_eq!(
+        b1 - b0,
+        0,
+        "a watching follower sent {} requests in {elapsed:?}",
+        b1 - b0
+    );
     let renewals = a1 - a0;
     let max = elapsed.as_millis() / RETRY.as_millis() + 1;
     assert!(renewals >= 1, "the leader renewed during {elapsed:?}");
@@ -860,7 +944,7 @@ pub async fn elector_watching_follower_is_quiet(store: DynLeaseStore) {
 /// fresh [`DynLeaseStore`](crate::DynLeaseStore). Needs the `conformance` feature and Tokio's
 /// `macros` and `rt-multi-thread` features in the calling crate.
 ///
-/// ```ignore
+/// ```text
 /// async fn make_store() -> leasehold::DynLeaseStore { std::sync::Arc::new(leasehold::MemoryStore::new()) }
 /// leasehold::conformance_suite!(make_store);
 /// ```

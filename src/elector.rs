@@ -48,7 +48,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
 
 use futures::StreamExt;
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 use tokio::time::{Instant, sleep, sleep_until, timeout};
 use tokio_util::sync::CancellationToken;
@@ -56,7 +56,9 @@ use tracing::{Instrument, debug, info, warn};
 
 use crate::error::{Error, Result};
 use crate::status::{LeaderStatus, Leadership, StatusCell, StatusChanged, StatusSource, StopCause};
-use crate::store::{DynLeaseStore, LeaseKey, LeaseRecord, Version, Versioned, WatchEvent, WatchStream};
+use crate::store::{
+    DynLeaseStore, LeaseKey, LeaseRecord, Version, Versioned, WatchEvent, WatchStream,
+};
 
 /// The longest identity accepted, in bytes.
 pub const MAX_IDENTITY_LEN: usize = 1024;
@@ -68,7 +70,11 @@ pub const RELEASE_LEASE_DURATION: Duration = Duration::from_secs(1);
 /// one host (or a restarted one) never share an identity (as k0s's invocation id does).
 pub fn default_identity() -> String {
     let host = gethostname::gethostname().to_string_lossy().into_owned();
-    let host = if host.is_empty() { "leasehold".to_owned() } else { host };
+    let host = if host.is_empty() {
+        "leasehold".to_owned()
+    } else {
+        host
+    };
     format!("{host}-{:016x}", rand::random::<u64>())
 }
 
@@ -167,11 +173,59 @@ enum Command {
     Yield(Duration, oneshot::Sender<()>),
 }
 
+/// Requests to the background task (a queue plus a wake-up: lighter than a channel).
+#[derive(Default)]
+struct Commands {
+    queue: Mutex<Vec<Command>>,
+    wake: tokio::sync::Notify,
+    closed: std::sync::atomic::AtomicBool,
+}
+
+impl Commands {
+    fn send(&self, c: Command) -> std::result::Result<(), Command> {
+        let mut q = self.queue.lock().unwrap_or_else(|e| e.into_inner());
+        if self.closed.load(std::sync::atomic::Ordering::SeqCst) {
+            return Err(c);
+        }
+        q.push(c);
+        drop(q);
+        self.wake.notify_one();
+        Ok(())
+    }
+
+    fn try_recv(&self) -> Option<Command> {
+        let mut q = self.queue.lock().unwrap_or_else(|e| e.into_inner());
+        if q.is_empty() {
+            None
+        } else {
+            Some(q.remove(0))
+        }
+    }
+
+    async fn recv(&self) -> Option<Command> {
+        loop {
+            if let Some(c) = self.try_recv() {
+                return Some(c);
+            }
+            if self.closed.load(std::sync::atomic::Ordering::SeqCst) {
+                return None;
+            }
+            self.wake.notified().await;
+        }
+    }
+
+    fn close(&self) {
+        let _q = self.queue.lock().unwrap_or_else(|e| e.into_inner());
+        self.closed.store(true, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
 struct Shared {
     config: ElectorConfig,
     status: StatusCell,
     /// When leading: the instant the last successful acquire/renew was sent.
     last_renew: Mutex<Option<Instant>>,
+    commands: Commands,
 }
 
 /// A leader elector for one lease key. See the [module docs](self) for its semantics.
@@ -182,7 +236,6 @@ struct Shared {
 pub struct Elector {
     shared: Arc<Shared>,
     cancel: CancellationToken,
-    commands: mpsc::Sender<Command>,
     task: Mutex<Option<JoinHandle<()>>>,
 }
 
@@ -212,9 +265,9 @@ impl Elector {
             config,
             status: StatusCell::default(),
             last_renew: Mutex::new(None),
+            commands: Commands::default(),
         });
         let cancel = CancellationToken::new();
-        let (tx, rx) = mpsc::channel(8);
         let span = tracing::info_span!(
             "leasehold_elector",
             key = %shared.config.key,
@@ -224,7 +277,6 @@ impl Elector {
             shared: shared.clone(),
             store,
             cancel: cancel.clone(),
-            commands: rx,
             observed: None,
             watch: None,
             watch_retry_at: None,
@@ -235,7 +287,6 @@ impl Elector {
         Ok(Elector {
             shared,
             cancel,
-            commands: tx,
             task: Mutex::new(Some(task)),
         })
     }
@@ -308,9 +359,9 @@ impl Elector {
         let shut = || Error::Shutdown {
             key: self.shared.config.key.to_string(),
         };
-        self.commands
+        self.shared
+            .commands
             .send(Command::Yield(duration, tx))
-            .await
             .map_err(|_| shut())?;
         rx.await.map_err(|_| shut())
     }
@@ -322,11 +373,7 @@ impl Elector {
     /// Cancel safe: the shutdown goes ahead in the background if this future is dropped.
     pub async fn shutdown(&self) {
         self.cancel.cancel();
-        let task = self
-            .task
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .take();
+        let task = self.task.lock().unwrap_or_else(|e| e.into_inner()).take();
         if let Some(task) = task
             && let Err(e) = task.await
         {
@@ -391,7 +438,6 @@ struct Runner {
     shared: Arc<Shared>,
     store: DynLeaseStore,
     cancel: CancellationToken,
-    commands: mpsc::Receiver<Command>,
     observed: Option<Observed>,
     watch: Option<WatchStream>,
     watch_retry_at: Option<Instant>,
@@ -410,7 +456,11 @@ impl Runner {
     }
 
     fn set_last_renew(&self, t: Option<Instant>) {
-        *self.shared.last_renew.lock().unwrap_or_else(|e| e.into_inner()) = t;
+        *self
+            .shared
+            .last_renew
+            .lock()
+            .unwrap_or_else(|e| e.into_inner()) = t;
     }
 
     async fn run(mut self) {
@@ -422,21 +472,25 @@ impl Runner {
             match self.lead(term).await {
                 (TermEnd::Lost, _) => continue,
                 (TermEnd::Shutdown, term) => {
-                    self.step_down_and_release(term, StopCause::SteppedDown).await;
+                    self.step_down_and_release(term, StopCause::SteppedDown)
+                        .await;
                     break;
                 }
                 (TermEnd::Yield(d, reply), term) => {
-                    self.step_down_and_release(term, StopCause::SteppedDown).await;
+                    self.step_down_and_release(term, StopCause::SteppedDown)
+                        .await;
                     self.yield_until = Some(Instant::now() + d);
                     info!(duration = ?d, "yielded the lease");
                     let _ = reply.send(());
                 }
             }
         }
-        self.shared.status.set(LeaderStatus::NotLeading { leader: None });
+        self.shared
+            .status
+            .set(LeaderStatus::NotLeading { leader: None });
         // Answer pending yield requests so that callers don't hang.
-        self.commands.close();
-        while let Ok(Command::Yield(_, reply)) = self.commands.try_recv() {
+        self.shared.commands.close();
+        while let Some(Command::Yield(_, reply)) = self.shared.commands.try_recv() {
             let _ = reply.send(());
         }
         info!("elector stopped");
@@ -446,12 +500,24 @@ impl Runner {
 
     fn observe(&mut self, seen: Seen) {
         let same = match (&self.observed, &seen) {
-            (Some(Observed { seen: Seen::Absent, .. }), Seen::Absent) => true,
-            (Some(Observed { seen: Seen::Record(a), .. }), Seen::Record(b)) => {
-                a.version == b.version
-            }
             (
-                Some(Observed { seen: Seen::Corrupt { version: a }, .. }),
+                Some(Observed {
+                    seen: Seen::Absent, ..
+                }),
+                Seen::Absent,
+            ) => true,
+            (
+                Some(Observed {
+                    seen: Seen::Record(a),
+                    ..
+                }),
+                Seen::Record(b),
+            ) => a.version == b.version,
+            (
+                Some(Observed {
+                    seen: Seen::Corrupt { version: a },
+                    ..
+                }),
                 Seen::Corrupt { version: b },
             ) => a.is_some() && a == b,
             _ => false,
@@ -512,7 +578,10 @@ impl Runner {
             Ok(Err(Error::Corrupt {
                 version, reason, ..
             })) => {
-                warn!(reason, "the lease key holds data that is not a lease record");
+                warn!(
+                    reason,
+                    "the lease key holds data that is not a lease record"
+                );
                 self.observe(Seen::Corrupt { version });
                 Ok(())
             }
@@ -568,7 +637,10 @@ impl Runner {
                 true
             }
             Some(Ok(WatchEvent::Corrupt { reason, version })) => {
-                warn!(reason, "the lease key now holds data that is not a lease record");
+                warn!(
+                    reason,
+                    "the lease key now holds data that is not a lease record"
+                );
                 self.observe(Seen::Corrupt { version });
                 true
             }
@@ -602,7 +674,8 @@ impl Runner {
                     Ok(()) => backoff_until = None,
                     Err(e) => {
                         warn!(error = %e, "cannot read the lease; retrying");
-                        backoff_until = Some(Instant::now() + jittered(self.cfg().retry_period, 1.2));
+                        backoff_until =
+                            Some(Instant::now() + jittered(self.cfg().retry_period, 1.2));
                     }
                 }
             }
@@ -661,7 +734,7 @@ impl Runner {
             tokio::select! {
                 biased;
                 () = self.cancel.cancelled() => return None,
-                cmd = self.commands.recv() => match cmd {
+                cmd = self.shared.commands.recv() => match cmd {
                     Some(Command::Yield(d, reply)) => {
                         self.yield_until = Some(Instant::now() + d);
                         info!(duration = ?d, "yielding: not campaigning");
@@ -688,18 +761,28 @@ impl Runner {
         }
     }
 
-    async fn try_acquire(&mut self, obs: &Observed) -> std::result::Result<TermState, AcquireFailed> {
+    async fn try_acquire(
+        &mut self,
+        obs: &Observed,
+    ) -> std::result::Result<TermState, AcquireFailed> {
         let cfg = self.cfg().clone();
         let now_wall = SystemTime::now();
         let (transitions, expected) = match &obs.seen {
             Seen::Absent => (0, None),
-            Seen::Record(v) => (v.record.transitions.saturating_add(1), Some(v.version.clone())),
+            Seen::Record(v) => (
+                v.record.transitions.saturating_add(1),
+                Some(v.version.clone()),
+            ),
             Seen::Corrupt { version: Some(v) } => {
-                warn!("replacing data that is not a lease record and stayed unchanged for a lease duration; the fencing token restarts at 0");
+                warn!(
+                    "replacing data that is not a lease record and stayed unchanged for a lease duration; the fencing token restarts at 0"
+                );
                 (0, Some(v.clone()))
             }
             Seen::Corrupt { version: None } => {
-                warn!("the lease key holds unreadable data and the store gives no version to replace it by compare-and-swap; delete it by hand");
+                warn!(
+                    "the lease key holds unreadable data and the store gives no version to replace it by compare-and-swap; delete it by hand"
+                );
                 return Err(AcquireFailed::Other);
             }
         };
@@ -717,7 +800,9 @@ impl Runner {
         };
         let version = match res {
             Ok(Ok(version)) => version,
-            Ok(Err(Error::Conflict { .. } | Error::AlreadyExists { .. } | Error::NotFound { .. })) => {
+            Ok(Err(
+                Error::Conflict { .. } | Error::AlreadyExists { .. } | Error::NotFound { .. },
+            )) => {
                 debug!("lost the race to acquire");
                 return Err(AcquireFailed::Conflict);
             }
@@ -759,7 +844,10 @@ impl Runner {
         self.shared
             .status
             .set(LeaderStatus::Leading(leadership.clone()));
-        info!(fencing_token = record.transitions, "acquired the lease; leading");
+        info!(
+            fencing_token = record.transitions,
+            "acquired the lease; leading"
+        );
         TermState {
             leadership,
             done,
@@ -780,7 +868,7 @@ impl Runner {
             tokio::select! {
                 biased;
                 () = self.cancel.cancelled() => return (TermEnd::Shutdown, term),
-                cmd = self.commands.recv() => match cmd {
+                cmd = self.shared.commands.recv() => match cmd {
                     Some(Command::Yield(d, reply)) => return (TermEnd::Yield(d, reply), term),
                     None => return (TermEnd::Shutdown, term),
                 },
@@ -854,9 +942,15 @@ impl Runner {
                 }
                 Ok(Err(Error::Conflict { .. } | Error::NotFound { .. })) => {
                     // Either someone else wrote, or an earlier attempt of ours landed.
-                    match timeout(deadline.saturating_duration_since(Instant::now()), self.store.get(&cfg.key)).await {
+                    match timeout(
+                        deadline.saturating_duration_since(Instant::now()),
+                        self.store.get(&cfg.key),
+                    )
+                    .await
+                    {
                         Ok(Ok(Some(v))) => {
-                            if let Some((sent, rec)) = attempts.iter().find(|(_, r)| *r == v.record) {
+                            if let Some((sent, rec)) = attempts.iter().find(|(_, r)| *r == v.record)
+                            {
                                 let (sent, rec) = (*sent, rec.clone());
                                 self.commit_renewal(term, rec, v.version, sent);
                                 return Ok(());
@@ -872,11 +966,15 @@ impl Runner {
                             self.lose(term, String::new());
                             return Err(TermEnd::Lost);
                         }
-                        Ok(Err(e)) => warn!(error = %e, "cannot read the lease after a conflict; retrying"),
+                        Ok(Err(e)) => {
+                            warn!(error = %e, "cannot read the lease after a conflict; retrying")
+                        }
                         Err(_) => {}
                     }
                 }
-                Ok(Err(e)) => warn!(error = %e, retryable = e.is_retryable(), "renewal failed; retrying until the renew deadline"),
+                Ok(Err(e)) => {
+                    warn!(error = %e, retryable = e.is_retryable(), "renewal failed; retrying until the renew deadline")
+                }
                 Err(_) => warn!("renewal timed out"),
             }
             let wait = backoff.min(deadline.saturating_duration_since(Instant::now()));
@@ -889,7 +987,13 @@ impl Runner {
         }
     }
 
-    fn commit_renewal(&mut self, term: &mut TermState, record: LeaseRecord, version: Version, sent: Instant) {
+    fn commit_renewal(
+        &mut self,
+        term: &mut TermState,
+        record: LeaseRecord,
+        version: Version,
+        sent: Instant,
+    ) {
         term.record = record.clone();
         term.version = version.clone();
         term.sent = sent;
@@ -911,7 +1015,9 @@ impl Runner {
         leadership.mark_ended(cause);
         drop(leadership);
         self.set_last_renew(None);
-        self.shared.status.set(LeaderStatus::NotLeading { leader: None });
+        self.shared
+            .status
+            .set(LeaderStatus::NotLeading { leader: None });
         info!("stepping down; waiting for leader tasks to finish");
         let valid_until = sent + cfg.renew_deadline;
         let finished = timeout(
@@ -921,7 +1027,9 @@ impl Runner {
         .await
         .is_ok();
         if !finished {
-            warn!("leader tasks still run at the end of the lease's validity; not releasing, the lease will expire");
+            warn!(
+                "leader tasks still run at the end of the lease's validity; not releasing, the lease will expire"
+            );
             return;
         }
         let wall = SystemTime::now();

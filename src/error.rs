@@ -189,10 +189,7 @@ impl Error {
     }
 
     /// Builds an [`Error::Unavailable`] from a store name and a source error.
-    pub fn unavailable(
-        store: &'static str,
-        source: impl Into<BoxError>,
-    ) -> Self {
+    pub fn unavailable(store: &'static str, source: impl Into<BoxError>) -> Self {
         let source = source.into();
         Error::Unavailable {
             store,

@@ -27,8 +27,8 @@ use tokio_stream::wrappers::ReceiverStream;
 
 use crate::error::{Error, Result};
 use crate::store::{
-    Capabilities, DynLeaseStore, KeyPrefix, LeaseKey, LeaseRecord, LeaseStore, Version,
-    Versioned, WatchStream,
+    Capabilities, DynLeaseStore, KeyPrefix, LeaseKey, LeaseRecord, LeaseStore, Version, Versioned,
+    WatchStream,
 };
 
 #[derive(Debug, Default)]

@@ -42,7 +42,8 @@ struct Entry {
 struct State {
     revision: u64,
     entries: BTreeMap<LeaseKey, Entry>,
-    watchers: HashMap<LeaseKey, Vec<mpsc::UnboundedSender<Result<WatchEvent>>>>,
+    // Events are boxed so that an idle watcher's channel block stays small.
+    watchers: HashMap<LeaseKey, Vec<mpsc::UnboundedSender<Box<WatchEvent>>>>,
 }
 
 /// An in-process lease store. Cheap to clone; clones share the same data.
@@ -89,7 +90,7 @@ impl MemoryStore {
 
 fn notify(st: &mut State, key: &LeaseKey, ev: WatchEvent) {
     if let Some(list) = st.watchers.get_mut(key) {
-        list.retain(|tx| tx.send(Ok(ev.clone())).is_ok());
+        list.retain(|tx| tx.send(Box::new(ev.clone())).is_ok());
         if list.is_empty() {
             st.watchers.remove(key);
         }
@@ -220,15 +221,15 @@ impl LeaseStore for MemoryStore {
         match (st.entries.get(key), after) {
             (Some(e), Some(v)) if Some(e.revision) == parse_version(v) => {}
             (Some(e), _) => {
-                let _ = tx.send(Ok(entry_event(key, e)));
+                let _ = tx.send(Box::new(entry_event(key, e)));
             }
             (None, Some(_)) => {
-                let _ = tx.send(Ok(WatchEvent::Deleted));
+                let _ = tx.send(Box::new(WatchEvent::Deleted));
             }
             (None, None) => {}
         }
         st.watchers.entry(key.clone()).or_default().push(tx);
-        Ok(UnboundedReceiverStream::new(rx).boxed())
+        Ok(UnboundedReceiverStream::new(rx).map(|ev| Ok(*ev)).boxed())
     }
 
     async fn list(&self, prefix: &KeyPrefix) -> Result<Vec<(LeaseKey, Versioned)>> {

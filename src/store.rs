@@ -150,7 +150,10 @@ impl KeyPrefix {
     pub fn new(prefix: impl AsRef<str>) -> Result<Self> {
         let prefix = prefix.as_ref();
         if prefix.len() > MAX_KEY_LEN {
-            return Err(invalid(prefix, "a prefix must be at most 253 characters long"));
+            return Err(invalid(
+                prefix,
+                "a prefix must be at most 253 characters long",
+            ));
         }
         validate_chars(prefix)?;
         if prefix.starts_with(['-', '.']) {

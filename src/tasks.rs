@@ -118,7 +118,10 @@ where
             leadership: leadership.clone(),
             parent: parent.clone(),
         };
-        info!(fencing_token = leadership.fencing_token(), "starting leader task");
+        info!(
+            fencing_token = leadership.fencing_token(),
+            "starting leader task"
+        );
         let fut = task(ctx.clone());
         let mut fut = std::pin::pin!(fut);
         let mut finished = false;

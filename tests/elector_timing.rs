@@ -32,12 +32,17 @@ fn spawn(store: DynLeaseStore, id: &str) -> Elector {
 }
 
 async fn leading(rx: &mut watch::Receiver<LeaderStatus>) -> leasehold::Leadership {
-    let s = rx.wait_for(LeaderStatus::is_leading).await.expect("elector alive");
+    let s = rx
+        .wait_for(LeaderStatus::is_leading)
+        .await
+        .expect("elector alive");
     s.leadership().cloned().expect("leading")
 }
 
 async fn not_leading(rx: &mut watch::Receiver<LeaderStatus>) -> Instant {
-    rx.wait_for(|s| !s.is_leading()).await.expect("elector alive");
+    rx.wait_for(|s| !s.is_leading())
+        .await
+        .expect("elector alive");
     Instant::now()
 }
 
@@ -114,7 +119,9 @@ async fn release_handover_is_immediate() {
     leading(&mut a.subscribe()).await;
     let b = spawn(shared.clone(), "b");
     let mut rb = b.subscribe();
-    rb.wait_for(|s| s.leader() == Some("a")).await.expect("alive");
+    rb.wait_for(|s| s.leader() == Some("a"))
+        .await
+        .expect("alive");
     sleep(Duration::from_millis(3333)).await;
     let released = Instant::now();
     a.shutdown().await;

@@ -16,11 +16,11 @@ fn leading(token: u64) -> (LeaderStatus, tokio::sync::oneshot::Receiver<()>) {
     (LeaderStatus::Leading(l), rx)
 }
 
-/// Records (event, fencing token, cause) of each task run.
-fn recorder() -> (
-    mpsc::UnboundedSender<(&'static str, u64, Option<StopCause>)>,
-    mpsc::UnboundedReceiver<(&'static str, u64, Option<StopCause>)>,
-) {
+/// (event, fencing token, cause) of a task run.
+type Event = (&'static str, u64, Option<StopCause>);
+
+/// Records the events of each task run.
+fn recorder() -> (mpsc::UnboundedSender<Event>, mpsc::UnboundedReceiver<Event>) {
     mpsc::unbounded_channel()
 }
 
@@ -50,18 +50,26 @@ async fn runs_only_while_leading_and_reports_the_cause() {
     cell.set(s.clone());
     assert_eq!(rx.recv().await, Some(("start", 1, None)));
     // Losing the lease: the publisher marks the cause, then publishes.
-    s.leadership().expect("leading").mark_ended(StopCause::LeaseLost);
+    s.leadership()
+        .expect("leading")
+        .mark_ended(StopCause::LeaseLost);
     cell.set(LeaderStatus::NotLeading {
         leader: Some("other".into()),
     });
     drop(s);
-    assert_eq!(rx.recv().await, Some(("stop", 1, Some(StopCause::LeaseLost))));
+    assert_eq!(
+        rx.recv().await,
+        Some(("stop", 1, Some(StopCause::LeaseLost)))
+    );
 
     let (s, _) = leading(2);
     cell.set(s);
     assert_eq!(rx.recv().await, Some(("start", 2, None)));
     parent.cancel();
-    assert_eq!(rx.recv().await, Some(("stop", 2, Some(StopCause::Cancelled))));
+    assert_eq!(
+        rx.recv().await,
+        Some(("stop", 2, Some(StopCause::Cancelled)))
+    );
     runner.await.expect("run_leader_tasks returns after cancel");
 }
 
@@ -114,7 +122,11 @@ async fn unrelated_signals_do_not_restart_the_task() {
         pokes.notify_waiters();
     }
     tokio::time::sleep(Duration::from_millis(10)).await;
-    assert_eq!(starts.load(Ordering::SeqCst), 1, "started once for one term");
+    assert_eq!(
+        starts.load(Ordering::SeqCst),
+        1,
+        "started once for one term"
+    );
     parent.cancel();
     runner.await.expect("runner");
 }
@@ -139,12 +151,20 @@ async fn a_task_that_returns_is_not_rerun_until_the_next_term() {
     let (s, _) = leading(1);
     cell.set(s);
     tokio::time::sleep(Duration::from_secs(60)).await;
-    assert_eq!(starts.load(Ordering::SeqCst), 1, "not re-run within the term");
+    assert_eq!(
+        starts.load(Ordering::SeqCst),
+        1,
+        "not re-run within the term"
+    );
     cell.set(LeaderStatus::NotLeading { leader: None });
     let (s, _) = leading(2);
     cell.set(s);
     tokio::time::sleep(Duration::from_millis(10)).await;
-    assert_eq!(starts.load(Ordering::SeqCst), 2, "run again on the next term");
+    assert_eq!(
+        starts.load(Ordering::SeqCst),
+        2,
+        "run again on the next term"
+    );
     parent.cancel();
     runner.await.expect("runner");
 }
@@ -170,7 +190,10 @@ async fn the_term_guard_is_held_until_the_task_returns() {
     let ended = tokio::time::Instant::now();
     cell.set(LeaderStatus::NotLeading { leader: None });
     (&mut all_dropped).await.expect("guard released");
-    assert!(ended.elapsed() >= Duration::from_secs(5), "guard held during cleanup");
+    assert!(
+        ended.elapsed() >= Duration::from_secs(5),
+        "guard held during cleanup"
+    );
     parent.cancel();
     runner.await.expect("runner");
 }
@@ -203,12 +226,18 @@ fn config_validation_names_the_offending_values() {
             ),
             "renew_deadline (2s) must be greater than 1.2 × retry_period (2s",
         ),
-        (ElectorConfig::new(key.clone(), ""), "identity must not be empty"),
+        (
+            ElectorConfig::new(key.clone(), ""),
+            "identity must not be empty",
+        ),
         (
             ElectorConfig::new(key.clone(), "x".repeat(2000)),
             "identity is 2000 bytes long",
         ),
-        (ElectorConfig::new(key.clone(), "a\nb"), "control characters"),
+        (
+            ElectorConfig::new(key.clone(), "a\nb"),
+            "control characters",
+        ),
         (
             ElectorConfig::new(key.clone(), "id").with_timings(
                 Duration::from_secs(15),
@@ -221,7 +250,10 @@ fn config_validation_names_the_offending_values() {
     for (cfg, want) in cases {
         match cfg.validate() {
             Err(Error::InvalidConfig(msg)) => {
-                assert!(msg.contains(want), "message {msg:?} should contain {want:?}")
+                assert!(
+                    msg.contains(want),
+                    "message {msg:?} should contain {want:?}"
+                )
             }
             other => panic!("expected InvalidConfig containing {want:?}, got {other:?}"),
         }

@@ -110,7 +110,10 @@ async fn scenario(faults: Vec<Fault>) {
         .collect();
     for f in faults {
         match f {
-            Fault::Latency(i, ms) => nodes[i].handle.faults().set_latency(Duration::from_millis(ms)),
+            Fault::Latency(i, ms) => nodes[i]
+                .handle
+                .faults()
+                .set_latency(Duration::from_millis(ms)),
             Fault::FailNext(i, n) => nodes[i].handle.faults().fail_next(n),
             Fault::FailFor(i, ms) => nodes[i].handle.faults().fail_for(Duration::from_millis(ms)),
             Fault::Partition(i) => nodes[i].handle.faults().set_partitioned(true),
