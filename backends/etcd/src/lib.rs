@@ -22,11 +22,24 @@
 //!   `mod_revision == expected` and, when the compare fails, read the key in the same
 //!   transaction to tell `Conflict` from `NotFound` in one round trip.
 //! - `watch` uses etcd's watch from the revision after the one the caller saw, and resumes
-//!   after compaction, member restarts and broken streams (see [`EtcdStore`]'s `watch`).
+//!   after compaction, member restarts and broken streams (see [Watch](#watch)).
 //! - `list` is one range read over `<prefix><key prefix>`; keys with data that is not a record
 //!   are left out and logged.
 //! - Data under a key that is not a record is [`leasehold::Error::Corrupt`] with the data's
 //!   `mod_revision`, so the elector can replace it by compare-and-swap.
+//!
+//! # Watch
+//!
+//! `watch(key, Some(v))` watches from revision `v + 1`; `watch(key, None)` reads the key at
+//! revision `R` (delivering it as the first event) and watches from `R + 1`; so a `get` followed
+//! by a watch loses nothing. A background task forwards etcd's events and ends when the stream
+//! is dropped. When etcd reports that the next revision was compacted, the task re-reads the
+//! key and delivers its latest state if it differs from the last one delivered (coalescing the
+//! compacted changes), then watches from the re-read's revision. When the stream breaks (member
+//! restart, lost leader, connection reset) it resumes from the next undelivered revision on any
+//! reachable member. Nothing at or below the last delivered revision is delivered again, so an
+//! older state never follows a newer one. A failed resumption is delivered as a retryable `Err`
+//! item (and retried with backoff); a permission error ends the stream.
 //!
 //! # Fencing
 //!
