@@ -1,4 +1,4 @@
-//! The generic [`Elector`]: all the timing of leader election, over any [`LeaseStore`].
+//! The generic [`Elector`]: all the timing of leader election, over any [`LeaseStore`](crate::LeaseStore).
 //!
 //! # Semantics
 //!
