@@ -7,3 +7,5 @@ async fn make_store() -> leasehold::DynLeaseStore {
 }
 
 leasehold::conformance_suite!(make_store);
+
+leasehold::k0s_conformance_suite!(make_store);

@@ -279,3 +279,28 @@ pub async fn wait_count(counter: &ControllerCounter, n: usize) {
         )
     });
 }
+
+/// Expands to one `#[tokio::test]` per k0s scenario above for a store constructor, like
+/// [`conformance_suite!`](crate::conformance_suite): `leasehold::k0s_conformance_suite!(make_store);`
+#[macro_export]
+macro_rules! k0s_conformance_suite {
+    ($make:path) => {
+        $crate::k0s_conformance_suite!(@multi $make;
+            pool_reacquires_after_update_errors => k0s_pool_reacquires_after_update_errors,
+            pool_lead_takeover => k0s_pool_lead_takeover,
+            pool_callbacks_in_order => k0s_pool_callbacks_in_order
+        );
+        #[::tokio::test(flavor = "current_thread")]
+        async fn k0s_counter_counts_controllers() {
+            $crate::k0s::conformance::counter_counts_controllers($make().await).await;
+        }
+    };
+    (@multi $make:path; $($case:ident => $name:ident),* $(,)?) => {
+        $(
+            #[::tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn $name() {
+                $crate::k0s::conformance::$case($make().await).await;
+            }
+        )*
+    };
+}
