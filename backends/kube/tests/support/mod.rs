@@ -53,6 +53,8 @@
 // Test support: not every test binary uses every helper, and error answers are whole responses.
 #![allow(dead_code, clippy::result_large_err)]
 
+pub mod cluster;
+
 use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::convert::Infallible;
 use std::net::SocketAddr;
