@@ -16,6 +16,9 @@
 //!   [`FaultyStore`] handles to inject faults), with short timings (lease 2 s, renew deadline
 //!   1 s, retry period 250 ms).
 //!
+//! Cases are not meant to be cancelled (cancel safety: dropping one mid-way may leave its keys
+//! behind, under its random prefix).
+//!
 //! Every case uses a random key prefix, so runs never collide on a shared server. Cases never
 //! assert an upper bound on time (a slow machine only makes them slower); they wait for
 //! behaviour with a generous limit ([`WAIT_LIMIT`]) and assert orderings and lower bounds.

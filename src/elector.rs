@@ -226,6 +226,8 @@ struct Shared {
     /// When leading: the instant the last successful acquire/renew was sent.
     last_renew: Mutex<Option<Instant>>,
     commands: Commands,
+    /// Cancelled once the background task has finished.
+    stopped: CancellationToken,
 }
 
 /// A leader elector for one lease key. See the [module docs](self) for its semantics.
@@ -266,6 +268,7 @@ impl Elector {
             status: StatusCell::default(),
             last_renew: Mutex::new(None),
             commands: Commands::default(),
+            stopped: CancellationToken::new(),
         });
         let cancel = CancellationToken::new();
         let span = tracing::info_span!(
@@ -367,26 +370,31 @@ impl Elector {
     }
 
     /// Shuts the elector down in order (see the [module docs](self)) and waits until it has
-    /// released the lease and stopped. Calling it again returns at once.
+    /// released the lease and stopped. Concurrent and repeated calls all wait for the same end.
     ///
     /// # Cancel safety
     /// Cancel safe: the shutdown goes ahead in the background if this future is dropped.
     pub async fn shutdown(&self) {
         self.cancel.cancel();
         let task = self.task.lock().unwrap_or_else(|e| e.into_inner()).take();
-        if let Some(task) = task
-            && let Err(e) = task.await
-        {
-            warn!(error = %e, "elector task ended abnormally");
+        match task {
+            Some(task) => {
+                if let Err(e) = task.await {
+                    warn!(error = %e, "elector task ended abnormally");
+                }
+            }
+            // Another caller is waiting for the task; wait for the same end.
+            None => self.shared.stopped.cancelled().await,
         }
     }
 
-    /// A future that resolves once the elector has stopped (after a shutdown).
+    /// A future that resolves once the elector has stopped: after a shutdown was requested and
+    /// the lease was released (or left to expire).
     ///
     /// # Cancel safety
     /// Cancel safe.
     pub async fn stopped(&self) {
-        self.cancel.cancelled().await;
+        self.shared.stopped.cancelled().await;
     }
 }
 
@@ -464,6 +472,8 @@ impl Runner {
     }
 
     async fn run(mut self) {
+        // Marks the elector stopped when this task ends, also if it panics or is aborted.
+        let _stopped = self.shared.stopped.clone().drop_guard();
         info!("elector started");
         loop {
             let Some(term) = self.follow().await else {

@@ -150,6 +150,9 @@ fn spawn(store: &FaultyStore, key: &LeaseKey, id: &str, s: &Settings) -> Elector
 ///
 /// # Panics
 /// When the store misbehaves (no leader within a minute).
+///
+/// # Cancel safety
+/// Not cancel safe: dropping it mid-way leaves electors to shut down in the background.
 pub async fn run(store: DynLeaseStore, s: &Settings) -> Report {
     let mut report = Report::default();
 
