@@ -80,7 +80,7 @@ pub(crate) fn from_redis(operation: &'static str, e: RedisError) -> leasehold::E
         return leasehold::Error::PermissionDenied {
             store: STORE,
             message: format!(
-                "{operation}: {e} (the ACL user needs EVALSHA, SCRIPT LOAD, ZRANGEBYLEX, \
+                "{operation}: {e} (the ACL user needs EVALSHA, EVAL, SCRIPT LOAD, ZRANGEBYLEX, \
                  SUBSCRIBE and PING, and access to the keys and channels of the prefix)"
             ),
         };

@@ -1,0 +1,224 @@
+//! Security tests: `requirepass`, ACL users and TLS (certificates generated here with rcgen),
+//! each against its own redis-server.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+use futures::StreamExt;
+use leasehold::{Error, LeaseStore, WatchEvent};
+use leasehold_redis::{RedisConfig, RedisStore};
+use rcgen::{BasicConstraints, CertificateParams, CertifiedIssuer, DnType, IsCa, KeyPair, SanType};
+
+async fn connect(url: &str) -> leasehold::Result<RedisStore> {
+    RedisStore::connect(
+        RedisConfig::new(url)
+            .unwrap()
+            .prefix(unique_prefix())
+            .unwrap(),
+    )
+    .await
+}
+
+fn assert_unauthenticated(r: leasehold::Result<RedisStore>, secret: &str) {
+    match r {
+        Err(e @ Error::Unauthenticated { .. }) => {
+            assert!(!e.is_retryable());
+            let text = format!("{e} {e:?}");
+            println!("authentication error: {e}");
+            assert!(!text.contains(secret), "the password leaked: {text}");
+            assert!(
+                text.contains("password"),
+                "the message says what to fix: {text}"
+            );
+        }
+        other => panic!("expected Unauthenticated, got {other:?}"),
+    }
+}
+
+async fn exercise(s: &RedisStore) {
+    let k = key("secured");
+    let v = s.create(&k, &record("a", 1)).await.unwrap();
+    let mut w = s.watch(&k, Some(&v)).await.unwrap();
+    let v2 = s.update(&k, &record("b", 2), &v).await.unwrap();
+    let ev = tokio::time::timeout(Duration::from_secs(30), w.next())
+        .await
+        .expect("watch event")
+        .expect("open")
+        .expect("ok");
+    match ev {
+        WatchEvent::Put(p) => assert_eq!(p.version, v2),
+        other => panic!("{other:?}"),
+    }
+    s.delete(&k, &v2).await.unwrap();
+}
+
+#[tokio::test]
+async fn requirepass_wrong_or_missing_password_is_a_clear_authentication_error() {
+    let srv = Server::start_with(&["--requirepass", "right-horse"], false);
+    let base = format!("127.0.0.1:{}", srv.port);
+    assert_unauthenticated(
+        connect(&format!("redis://:wrong-battery@{base}")).await,
+        "wrong-battery",
+    );
+    assert_unauthenticated(connect(&format!("redis://{base}")).await, "right-horse");
+    let s = connect(&format!("redis://:right-horse@{base}"))
+        .await
+        .unwrap();
+    assert!(!format!("{s:?}").contains("right-horse"));
+    exercise(&s).await;
+}
+
+#[tokio::test]
+async fn acl_users_authenticate_and_missing_permissions_are_named() {
+    let srv = Server::start_with(
+        &[
+            "--user",
+            "alice",
+            "on",
+            ">alice-pass",
+            "~*",
+            "&*",
+            "+@all",
+            "--user",
+            "bob",
+            "on",
+            ">bob-pass",
+            "~*",
+            "&*",
+            "+@all",
+            "-evalsha",
+            "-eval",
+        ],
+        false,
+    );
+    let base = format!("127.0.0.1:{}", srv.port);
+    assert_unauthenticated(
+        connect(&format!("redis://alice:bad-pass@{base}")).await,
+        "bad-pass",
+    );
+    assert_unauthenticated(
+        connect(&format!("redis://mallory:alice-pass@{base}")).await,
+        "alice-pass",
+    );
+    let s = connect(&format!("redis://alice:alice-pass@{base}/0"))
+        .await
+        .unwrap();
+    exercise(&s).await;
+
+    let bob = connect(&format!("redis://bob:bob-pass@{base}"))
+        .await
+        .unwrap();
+    match bob.get(&key("x")).await {
+        Err(e @ Error::PermissionDenied { .. }) => {
+            println!("permission error: {e}");
+            assert!(!e.is_retryable());
+            assert!(e.to_string().contains("EVALSHA"), "{e}");
+        }
+        other => panic!("expected PermissionDenied, got {other:?}"),
+    }
+}
+
+struct Pki {
+    ca_pem: String,
+    cert_pem: String,
+    key_pem: String,
+}
+
+fn ca(name: &str) -> CertifiedIssuer<'static, KeyPair> {
+    let mut params = CertificateParams::new(Vec::<String>::new()).unwrap();
+    params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    params.distinguished_name.push(DnType::CommonName, name);
+    CertifiedIssuer::self_signed(params, KeyPair::generate().unwrap()).unwrap()
+}
+
+fn pki() -> Pki {
+    let ca = ca("leasehold test CA");
+    let mut params = CertificateParams::new(vec!["localhost".to_owned()]).unwrap();
+    params
+        .subject_alt_names
+        .push(SanType::IpAddress("127.0.0.1".parse().unwrap()));
+    let key = KeyPair::generate().unwrap();
+    let cert = params.signed_by(&key, &ca).unwrap();
+    Pki {
+        ca_pem: ca.pem(),
+        cert_pem: cert.pem(),
+        key_pem: key.serialize_pem(),
+    }
+}
+
+fn tls_server(pki: &Pki) -> Server {
+    let dir = tempfile::tempdir().unwrap();
+    let write = |name: &str, text: &str| {
+        let p = dir.path().join(name);
+        std::fs::write(&p, text).unwrap();
+        p.display().to_string()
+    };
+    let (cert, key, ca) = (
+        write("server.crt", &pki.cert_pem),
+        write("server.key", &pki.key_pem),
+        write("ca.crt", &pki.ca_pem),
+    );
+    let srv = Server::start_with(
+        &[
+            "--tls-cert-file",
+            &cert,
+            "--tls-key-file",
+            &key,
+            "--tls-ca-cert-file",
+            &ca,
+            "--tls-auth-clients",
+            "no",
+        ],
+        true,
+    );
+    // The server has read its files at start; the directory may go.
+    drop(dir);
+    srv
+}
+
+#[tokio::test]
+async fn tls_with_the_right_ca_works() {
+    let pki = pki();
+    let srv = tls_server(&pki);
+    assert!(srv.url().starts_with("rediss://"));
+    let cfg = RedisConfig::new(srv.url())
+        .unwrap()
+        .prefix(unique_prefix())
+        .unwrap()
+        .tls_root_ca_pem(pki.ca_pem.as_bytes());
+    let s = RedisStore::connect(cfg).await.unwrap();
+    exercise(&s).await;
+}
+
+#[tokio::test]
+async fn tls_with_a_wrong_ca_fails_with_a_clear_tls_error() {
+    let pki = pki();
+    let srv = tls_server(&pki);
+    let other = ca("some other CA");
+    let cfg = RedisConfig::new(srv.url())
+        .unwrap()
+        .tls_root_ca_pem(other.pem().as_bytes());
+    match RedisStore::connect(cfg).await {
+        Err(e @ Error::Store { .. }) => {
+            assert!(!e.is_retryable(), "{e:?}");
+            let text = e.to_string();
+            println!("TLS error: {text}");
+            assert!(text.contains("TLS"), "{text}");
+            assert!(text.to_lowercase().contains("certificate"), "{text}");
+        }
+        other => panic!("expected a TLS error, got {other:?}"),
+    }
+    // A plain-text client against the TLS port fails too, and does not hang.
+    let plain = format!("redis://127.0.0.1:{}", srv.port);
+    let cfg = RedisConfig::new(plain)
+        .unwrap()
+        .connect_timeout(Duration::from_millis(500))
+        .operation_timeout(Duration::from_millis(500));
+    let r = tokio::time::timeout(Duration::from_secs(60), RedisStore::connect(cfg))
+        .await
+        .expect("no hang");
+    assert!(r.is_err());
+}
