@@ -781,16 +781,22 @@ pub async fn elector_release_after_leader_tasks(store: DynLeaseStore) {
     Monitor::new(&a, "a").leading().await;
     let stop = CancellationToken::new();
     let (seen_tx, seen_rx) = tokio::sync::oneshot::channel();
+    let (started_tx, started_rx) = tokio::sync::oneshot::channel::<()>();
     let tasks = {
         let (a, store, key) = (a.clone(), store.clone(), key.clone());
         let stop = stop.clone();
         tokio::spawn(async move {
             let mut seen_tx = Some(seen_tx);
+            let mut started_tx = Some(started_tx);
             run_leader_tasks(stop, a.clone(), move |leader| {
                 let store = store.clone();
                 let key = key.clone();
                 let seen_tx = seen_tx.take();
+                let started_tx = started_tx.take();
                 async move {
+                    if let Some(tx) = started_tx {
+                        let _ = tx.send(());
+                    }
                     leader.cancelled().await;
                     let cause = leader.cause();
                     // Slow cleanup: the lease must still be ours meanwhile.
@@ -804,6 +810,11 @@ pub async fn elector_release_after_leader_tasks(store: DynLeaseStore) {
             .await;
         })
     };
+    // The leader task runs before shutdown starts.
+    timeout(WAIT_LIMIT, started_rx)
+        .await
+        .unwrap_or_else(|_| panic!("the leader task did not start within {WAIT_LIMIT:?}"))
+        .expect("the leader task started");
     // An outside guard, dropped later still.
     let guard = a.current_status().0;
     assert!(guard.is_leading());
@@ -814,7 +825,10 @@ pub async fn elector_release_after_leader_tasks(store: DynLeaseStore) {
     });
     a.shutdown().await;
     let released = Instant::now();
-    let (cause, rec) = seen_rx.await.expect("the leader task ran");
+    let (cause, rec) = timeout(WAIT_LIMIT, seen_rx)
+        .await
+        .unwrap_or_else(|_| panic!("the leader task did not finish within {WAIT_LIMIT:?}"))
+        .expect("the leader task ran");
     assert_eq!(cause, Some(StopCause::SteppedDown));
     let rec = rec.expect("record present while the task cleaned up");
     assert_eq!(
