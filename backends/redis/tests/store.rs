@@ -235,3 +235,39 @@ async fn debug_never_shows_the_password() {
     assert!(err.is_retryable(), "{err:?}");
     assert!(!format!("{err:?} {err}").contains("topsecret"));
 }
+
+#[tokio::test]
+async fn watch_sees_every_rapid_update_in_strictly_increasing_order() {
+    let s = store().await;
+    let k = key("rapid");
+    let mut v = s.create(&k, &record("w", 0)).await.unwrap();
+    let mut w = s.watch(&k, Some(&v)).await.unwrap();
+    let writer = {
+        let (s, k) = (s.clone(), k.clone());
+        tokio::spawn(async move {
+            for i in 1..=200u64 {
+                v = s.update(&k, &record("w", i), &v).await.unwrap();
+            }
+            v
+        })
+    };
+    let mut last = 0u64;
+    let mut seen = 0u64;
+    loop {
+        match next(&mut w).await {
+            WatchEvent::Put(p) => {
+                let n: u64 = p.version.as_str().parse().unwrap();
+                assert!(n > last, "version {n} after {last}");
+                last = n;
+                seen += 1;
+                // Every change is published with its record: none is coalesced while connected.
+                assert_eq!(p.record.transitions, seen);
+                if seen == 200 {
+                    break;
+                }
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+    assert_eq!(writer.await.unwrap().as_str(), last.to_string());
+}
