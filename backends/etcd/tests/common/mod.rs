@@ -5,7 +5,8 @@
 //! the same data dir) and, as soon as its stdin reaches end-of-file, kills etcd with SIGKILL and
 //! removes the data directory. The pipe closes when the test process exits for any reason, even
 //! when it is killed or a test panics, so no server outlives its test binary (statics are never
-//! dropped, so a `Drop` impl alone would not be enough). Data directories live in `/dev/shm`
+//! dropped, so a `Drop` impl alone would not be enough). A TERM/INT/HUP sent to the whole
+//! process group (as `timeout` and Ctrl-C do) makes the supervisor clean up the same way. Data directories live in `/dev/shm`
 //! when it exists (fsync is cheap there), otherwise in the system temp dir.
 //!
 //! `LEASEHOLD_ETCD_ENDPOINTS` (comma-separated) points the tests that need a plain server at an
@@ -27,7 +28,10 @@ use leasehold_etcd::{EtcdConfig, EtcdStore};
 const SUPERVISOR: &str = r#"
 dir=$1; shift
 bin=$1; shift
+pid=
 run() { "$bin" "$@" >>"$dir/etcd.log" 2>&1 & pid=$!; }
+cleanup() { [ -n "$pid" ] && kill -9 "$pid" 2>/dev/null; wait 2>/dev/null; rm -rf "$dir"; }
+trap 'cleanup; exit 0' TERM INT HUP
 run "$@"
 echo started
 while read -r cmd; do
@@ -37,8 +41,7 @@ while read -r cmd; do
     *) break ;;
   esac
 done
-kill -9 "$pid" 2>/dev/null; wait "$pid" 2>/dev/null
-rm -rf "$dir"
+cleanup
 "#;
 
 /// The etcd binary, or a panic that says what to install.
