@@ -6,8 +6,10 @@
 //! removes the data directory. The pipe closes when the test process exits for any reason, even
 //! when it is killed or a test panics, so no server outlives its test binary (statics are never
 //! dropped, so a `Drop` impl alone would not be enough). A TERM/INT/HUP sent to the whole
-//! process group (as `timeout` and Ctrl-C do) makes the supervisor clean up the same way. Data directories live in `/dev/shm`
-//! when it exists (fsync is cheap there), otherwise in the system temp dir.
+//! process group (as `timeout` and Ctrl-C do) makes the supervisor clean up the same way.
+//!
+//! Data directories live in `/dev/shm` when it has room (fsync is cheap there), otherwise in
+//! the system temp dir; `LEASEHOLD_ETCD_DATA_ROOT` overrides.
 //!
 //! `LEASEHOLD_ETCD_ENDPOINTS` (comma-separated) points the tests that need a plain server at an
 //! existing cluster instead; tests that need a special setup (cluster, TLS, auth) always start
@@ -96,13 +98,26 @@ fn free_ports(n: usize) -> Vec<u16> {
         .collect()
 }
 
+/// Where data dirs go: `LEASEHOLD_ETCD_DATA_ROOT`, else `/dev/shm` when it has at least 1 GiB
+/// free (etcd preallocates 64 MiB WAL segments; Docker's default `/dev/shm` is only 64 MiB),
+/// else the system temp dir.
 fn scratch_root() -> PathBuf {
+    if let Some(root) = std::env::var_os("LEASEHOLD_ETCD_DATA_ROOT") {
+        return PathBuf::from(root);
+    }
     let shm = Path::new("/dev/shm");
-    if shm.is_dir() {
+    if shm.is_dir() && free_kib(shm).is_some_and(|kib| kib >= 1024 * 1024) {
         shm.to_owned()
     } else {
         std::env::temp_dir()
     }
+}
+
+/// Free space in KiB, from `df -Pk` (no unsafe `statvfs` here).
+fn free_kib(path: &Path) -> Option<u64> {
+    let out = Command::new("df").arg("-Pk").arg(path).output().ok()?;
+    let text = String::from_utf8(out.stdout).ok()?;
+    text.lines().nth(1)?.split_whitespace().nth(3)?.parse().ok()
 }
 
 /// Server-side TLS files (PEM).
