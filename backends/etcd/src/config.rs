@@ -38,7 +38,7 @@ pub struct EtcdConfig {
 impl EtcdConfig {
     /// A configuration for these endpoints (`http://host:port`, `https://host:port` or
     /// `host:port`), with the default prefix [`DEFAULT_PREFIX`], a 5 s operation timeout, a 5 s
-    /// connect timeout and HTTP/2 keep-alive pings every 5 s.
+    /// connect timeout and HTTP/2 keep-alive pings every 10 s while a watch is open.
     ///
     /// The client spreads requests over all endpoints and skips unreachable ones.
     pub fn new<I, S>(endpoints: I) -> Self
@@ -51,7 +51,7 @@ impl EtcdConfig {
             prefix: DEFAULT_PREFIX.to_owned(),
             operation_timeout: Duration::from_secs(5),
             connect_timeout: Duration::from_secs(5),
-            keep_alive: Duration::from_secs(5),
+            keep_alive: Duration::from_secs(10),
             credentials: None,
             tls: None,
         }
@@ -77,8 +77,12 @@ impl EtcdConfig {
         self
     }
 
-    /// The interval of HTTP/2 keep-alive pings; a connection whose pings go unanswered for the
-    /// operation timeout is dropped, so a watch on a hung member fails over.
+    /// The interval of HTTP/2 keep-alive pings, sent while a watch is open; a connection whose
+    /// ping goes unanswered for the operation timeout is dropped, so a watch on a hung or
+    /// partitioned member fails over (a crashed member is noticed at once anyway).
+    ///
+    /// Keep it at or above the server's `--grpc-keepalive-min-time` (etcd's default is 5 s):
+    /// etcd closes connections that ping more often (`too_many_pings`).
     pub fn with_keep_alive(mut self, interval: Duration) -> Self {
         self.keep_alive = interval;
         self

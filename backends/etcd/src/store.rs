@@ -81,7 +81,9 @@ impl EtcdStore {
         let mut options = ConnectOptions::new()
             .with_connect_timeout(config.connect_timeout)
             .with_keep_alive(config.keep_alive, config.operation_timeout)
-            .with_keep_alive_while_idle(true)
+            // Idle pings without an open stream count against etcd's ping policy
+            // (grpc's PermitWithoutStream is off in etcd), so ping only while watching.
+            .with_keep_alive_while_idle(false)
             .with_require_leader(true)
             .with_auto_token_refresh(true);
         if let Some(c) = &config.credentials {

@@ -27,8 +27,7 @@ async fn store(etcd: &Etcd, prefix: &str) -> DynLeaseStore {
         .config()
         .with_prefix(prefix)
         .with_operation_timeout(Duration::from_millis(500))
-        .with_connect_timeout(Duration::from_millis(500))
-        .with_keep_alive(Duration::from_millis(500));
+        .with_connect_timeout(Duration::from_millis(500));
     Arc::new(EtcdStore::connect(config).await.unwrap())
 }
 

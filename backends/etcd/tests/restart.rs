@@ -30,8 +30,7 @@ async fn watch_survives_a_member_restart() {
     let etcd = Etcd::start().await;
     let config = etcd
         .config()
-        .with_operation_timeout(Duration::from_millis(500))
-        .with_keep_alive(Duration::from_millis(500));
+        .with_operation_timeout(Duration::from_millis(500));
     let store = EtcdStore::connect(config).await.unwrap();
     let k = LeaseKey::new("restart").unwrap();
     let v1 = store.create(&k, &record("a", 1)).await.unwrap();
