@@ -5,14 +5,4 @@
 
 mod support;
 
-use std::sync::Arc;
-
-async fn make_store() -> leasehold::DynLeaseStore {
-    let server = support::LeaseApiServer::start().await;
-    let store = support::store(&server);
-    // The server's tasks run on this test's runtime and stop with it.
-    std::mem::forget(server);
-    Arc::new(store)
-}
-
-leasehold::conformance_suite!(make_store);
+leasehold::conformance_suite!(support::make_store);

@@ -1100,3 +1100,12 @@ impl LeaseApiServer {
             .cloned()
     }
 }
+
+/// A store on a fresh test server that lives until the calling test's runtime ends (the
+/// server's tasks run on that runtime and stop with it).
+pub async fn make_store() -> leasehold::DynLeaseStore {
+    let server = LeaseApiServer::start().await;
+    let s = store(&server);
+    std::mem::forget(server);
+    Arc::new(s)
+}
