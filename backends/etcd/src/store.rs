@@ -260,7 +260,8 @@ impl EtcdStore {
 
 const MAX_CONNECT_RETRIES: u32 = 8;
 
-/// Whether the call failed before reaching any server (connection refused, TLS handshake).
+/// Whether the call failed before reaching any server (the connection could not be made), so
+/// repeating it cannot apply a write twice.
 fn is_connect_error(e: &etcd_client::Error) -> bool {
     match e {
         etcd_client::Error::TransportError(_) => true,
@@ -269,7 +270,7 @@ fn is_connect_error(e: &etcd_client::Error) -> bool {
             m.contains("tcp connect error")
                 || m.contains("error trying to connect")
                 || m.contains("Connection refused")
-                || m.contains("transport error")
+                || m.contains("dns error")
         }
         _ => false,
     }
