@@ -1019,15 +1019,30 @@ fn do_update(shared: &Arc<Shared>, ns: &str, name: &str, body: &[u8]) -> Respons
     json_response(StatusCode::OK, &stored)
 }
 
+/// The part of `DeleteOptions` the server honours.
+#[derive(serde::Deserialize, Default)]
+struct DeleteOptions {
+    #[serde(default)]
+    preconditions: Option<DeletePreconditions>,
+}
+
+#[derive(serde::Deserialize, Default)]
+#[serde(rename_all = "camelCase")]
+struct DeletePreconditions {
+    resource_version: Option<String>,
+    uid: Option<String>,
+}
+
 fn do_delete(shared: &Arc<Shared>, ns: &str, name: &str, body: &[u8]) -> Response<Body> {
-    let opts: Value = if body.is_empty() {
-        json!({})
+    let opts: DeleteOptions = if body.is_empty() {
+        DeleteOptions::default()
     } else {
         match serde_json::from_slice(body) {
             Ok(v) => v,
             Err(e) => return bad_request(format!("invalid DeleteOptions: {e}")),
         }
     };
+    let pre = opts.preconditions.unwrap_or_default();
     let mut st = lock(&shared.state);
     let k = (ns.to_owned(), name.to_owned());
     let Some(current) = st.objects.get(&k).cloned() else {
@@ -1037,7 +1052,7 @@ fn do_delete(shared: &Arc<Shared>, ns: &str, name: &str, body: &[u8]) -> Respons
         .as_str()
         .unwrap_or("")
         .to_owned();
-    if let Some(rv) = opts["preconditions"]["resourceVersion"].as_str()
+    if let Some(rv) = pre.resource_version.as_deref()
         && rv != current_rv
     {
         return conflict(
@@ -1047,7 +1062,7 @@ fn do_delete(shared: &Arc<Shared>, ns: &str, name: &str, body: &[u8]) -> Respons
             ),
         );
     }
-    if let Some(uid) = opts["preconditions"]["uid"].as_str()
+    if let Some(uid) = pre.uid.as_deref()
         && Some(uid) != current["metadata"]["uid"].as_str()
     {
         return conflict(
@@ -1101,9 +1116,20 @@ impl LeaseApiServer {
     }
 }
 
+/// Logs to the test output when `RUST_LOG` is set (e.g. `RUST_LOG=leasehold_kube=debug`).
+pub fn init_tracing() {
+    if std::env::var_os("RUST_LOG").is_some() {
+        let _ = tracing_subscriber::fmt()
+            .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+            .with_test_writer()
+            .try_init();
+    }
+}
+
 /// A store on a fresh test server that lives until the calling test's runtime ends (the
 /// server's tasks run on that runtime and stop with it).
 pub async fn make_store() -> leasehold::DynLeaseStore {
+    init_tracing();
     let server = LeaseApiServer::start().await;
     let s = store(&server);
     std::mem::forget(server);
