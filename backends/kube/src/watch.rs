@@ -178,21 +178,32 @@ impl Watcher {
             .fields(&self.selector())
             .timeout(secs);
         params.bookmarks = true;
-        let fut = self.inner.api.watch(&params, &self.resume_from);
-        match tokio::time::timeout(self.inner.request_timeout, fut).await {
-            Err(_) => Err(timeout(Op::Watch, self.inner.request_timeout)),
-            Ok(Err(kube::Error::Api(status))) if is_gone(&status) => {
-                // Some servers answer an expired resourceVersion with HTTP 410 directly.
-                self.relist().await?;
-                Box::pin(self.connect()).await
-            }
-            Ok(Err(e)) => Err(map_kube(e, &self.ctx(Op::Watch))),
-            Ok(Ok(stream)) => {
-                self.stream = Some(stream.boxed());
-                self.progressed = false;
-                Ok(())
+        // At most one re-read: a resourceVersion fresh from a list is never expired on a sane
+        // server.
+        for attempt in 0..2 {
+            let fut = self.inner.api.watch(&params, &self.resume_from);
+            match tokio::time::timeout(self.inner.request_timeout, fut).await {
+                Err(_) => return Err(timeout(Op::Watch, self.inner.request_timeout)),
+                Ok(Err(kube::Error::Api(status))) if is_gone(&status) && attempt == 0 => {
+                    // Some servers answer an expired resourceVersion with HTTP 410 directly.
+                    self.relist().await?;
+                }
+                Ok(Err(e)) => return Err(map_kube(e, &self.ctx(Op::Watch))),
+                Ok(Ok(stream)) => {
+                    self.stream = Some(stream.boxed());
+                    self.progressed = false;
+                    return Ok(());
+                }
             }
         }
+        Err(Error::Unavailable {
+            store: STORE_NAME,
+            message: format!(
+                "the API server answered 410 Gone to a watch on Lease {} from a fresh resourceVersion",
+                self.key
+            ),
+            source: None,
+        })
     }
 
     /// Ends the current watch request; decides whether to resume or give up.

@@ -70,6 +70,24 @@ async fn expired_resource_version_rereads_and_delivers_only_the_latest_state() {
 }
 
 #[tokio::test]
+async fn expired_resource_version_as_http_410_also_rereads() {
+    let server = LeaseApiServer::start_with(ServerOptions {
+        expired_as_http_410: true,
+        ..ServerOptions::default()
+    })
+    .await;
+    let s = store(&server);
+    let k = key("gone-http");
+    let v1 = s.create(&k, &record("a", 1)).await.expect("create");
+    let v2 = s.update(&k, &record("b", 2), &v1).await.expect("update");
+    server.compact();
+    let mut w = s.watch(&k, Some(&v1)).await.expect("watch");
+    assert_eq!(put_version(&next(&mut w).await), v2);
+    let v3 = s.update(&k, &record("c", 3), &v2).await.expect("update");
+    assert_eq!(put_version(&next(&mut w).await), v3);
+}
+
+#[tokio::test]
 async fn expired_resource_version_of_a_deleted_key_delivers_deleted() {
     let server = LeaseApiServer::start().await;
     let s = store(&server);

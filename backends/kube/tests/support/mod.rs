@@ -93,6 +93,10 @@ pub struct ServerOptions {
     pub history: usize,
     /// How often a bookmark-enabled watch gets a BOOKMARK.
     pub bookmark_interval: Duration,
+    /// Answer a watch from an expired resourceVersion with an HTTP 410 Status instead of
+    /// kube-apiserver's usual 200 response carrying an `ERROR` event (some servers and
+    /// proxies do this).
+    pub expired_as_http_410: bool,
 }
 
 impl Default for ServerOptions {
@@ -100,6 +104,7 @@ impl Default for ServerOptions {
         ServerOptions {
             history: 1000,
             bookmark_interval: Duration::from_secs(1),
+            expired_as_http_410: false,
         }
     }
 }
@@ -779,6 +784,9 @@ fn do_watch(shared: &Arc<Shared>, ns: &str, q: &HashMap<String, String>) -> Resp
             };
             if from < st.floor {
                 let msg = format!("too old resource version: {from} ({})", st.floor);
+                if shared.opts.expired_as_http_410 {
+                    return status(StatusCode::GONE, "Expired", msg, None);
+                }
                 let ev = json!({
                     "kind": "Status", "apiVersion": "v1", "metadata": {},
                     "status": "Failure", "message": msg, "reason": "Expired", "code": 410,
