@@ -394,14 +394,12 @@ impl Counting {
             tokio::select! {
                 biased;
                 () = cancel.cancelled() => break,
-                msg = self.rx.recv() => if let Some(msg) = msg {
-                    if self.handle(msg) {
-                        // A watch broke: re-read soon, but not in a hot loop.
-                        let earliest = self
-                            .last_relist
-                            .map_or(Instant::now(), |t| t + self.config.retry_period);
-                        next_relist = next_relist.min(earliest.max(Instant::now()));
-                    }
+                msg = self.rx.recv() => if let Some(msg) = msg && self.handle(msg) {
+                    // A watch broke: re-read soon, but not in a hot loop.
+                    let earliest = self
+                        .last_relist
+                        .map_or(Instant::now(), |t| t + self.config.retry_period);
+                    next_relist = next_relist.min(earliest.max(Instant::now()));
                 },
                 item = next_item(&mut self.doorbell) => match item {
                     Some(Ok(_)) => {
