@@ -209,6 +209,9 @@ impl LeaseApiServer {
                 let Ok((tcp, _)) = listener.accept().await else {
                     continue;
                 };
+                // As kube-apiserver (Go's net/http) does: no Nagle delay on small writes such as
+                // watch events.
+                let _ = tcp.set_nodelay(true);
                 let s = s.clone();
                 let mut kill = s.kill.subscribe();
                 tokio::spawn(async move {
