@@ -476,19 +476,17 @@ impl Runner {
         let _stopped = self.shared.stopped.clone().drop_guard();
         info!("elector started");
         loop {
-            let Some(term) = self.follow().await else {
+            let Some(term) = Box::pin(self.follow()).await else {
                 break;
             };
-            match self.lead(term).await {
+            match Box::pin(self.lead(term)).await {
                 (TermEnd::Lost, _) => continue,
                 (TermEnd::Shutdown, term) => {
-                    self.step_down_and_release(term, StopCause::SteppedDown)
-                        .await;
+                    Box::pin(self.step_down_and_release(term, StopCause::SteppedDown)).await;
                     break;
                 }
                 (TermEnd::Yield(d, reply), term) => {
-                    self.step_down_and_release(term, StopCause::SteppedDown)
-                        .await;
+                    Box::pin(self.step_down_and_release(term, StopCause::SteppedDown)).await;
                     self.yield_until = Some(Instant::now() + d);
                     info!(duration = ?d, "yielded the lease");
                     let _ = reply.send(());
@@ -680,7 +678,7 @@ impl Runner {
             let can_watch = self.store.capabilities().watch;
             // Re-read when we know nothing, or when polling is due.
             if self.observed.is_none() && backoff_until.is_none_or(|t| now >= t) {
-                match self.refresh().await {
+                match Box::pin(self.refresh()).await {
                     Ok(()) => backoff_until = None,
                     Err(e) => {
                         warn!(error = %e, "cannot read the lease; retrying");
@@ -690,7 +688,7 @@ impl Runner {
                 }
             }
             if self.observed.is_some() && can_watch && self.watch.is_none() {
-                self.start_watch().await;
+                Box::pin(self.start_watch()).await;
             }
             let now = Instant::now();
             self.publish_follower(now);
@@ -701,7 +699,7 @@ impl Runner {
                 match (yielding, self.acquirable_at(&obs)) {
                     (Some(y), _) => wake = Some(y),
                     (None, at) if at.is_none_or(|t| now >= t) && !self.awaiting_watch => {
-                        match self.try_acquire(&obs).await {
+                        match Box::pin(self.try_acquire(&obs)).await {
                             Ok(term) => return Some(term),
                             Err(AcquireFailed::Conflict) => {
                                 if self.watch.is_some() {
@@ -872,7 +870,7 @@ impl Runner {
     async fn lead(&mut self, mut term: TermState) -> (TermEnd, TermState) {
         loop {
             if self.watch.is_none() {
-                self.start_watch().await;
+                Box::pin(self.start_watch()).await;
             }
             let next_renew = term.sent + self.cfg().retry_period;
             tokio::select! {
@@ -905,7 +903,7 @@ impl Runner {
                     }
                 }
                 () = sleep_until(next_renew) => {
-                    if let Err(end) = self.renew(&mut term).await {
+                    if let Err(end) = Box::pin(self.renew(&mut term)).await {
                         return (end, term);
                     }
                 }
