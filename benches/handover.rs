@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
-use leasehold::harness::{Settings, Stats, run};
+use leasehold::harness::Stats;
 use leasehold::{
     DynLeaseStore, Elector, ElectorConfig, LeaderStatus, LeaseKey, MemoryStore, StatusCell,
     StatusSource,
@@ -101,20 +101,17 @@ fn spawn_elector(store: &DynLeaseStore, key: &str) -> Elector {
 
 fn main() {
     let quick = std::env::args().any(|a| a == "--quick");
+    leasehold::harness::bench_main(|| async {
+        (
+            "memory store".to_owned(),
+            Arc::new(MemoryStore::new()) as DynLeaseStore,
+        )
+    });
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
         .expect("runtime");
     rt.block_on(async {
-        let mut settings = Settings::default();
-        if quick {
-            settings.handover_rounds = 50;
-            settings.failover_rounds = 2;
-            settings.steady_window = Duration::from_secs(2);
-        }
-        println!("leasehold handover benchmark: memory store, {settings:?}");
-        let report = run(Arc::new(MemoryStore::new()), &settings).await;
-        print!("{report}");
         let fan = fan_out(10_000, if quick { 3 } else { 10 }).await;
         println!("status fan-out (10,000 waiters, half current_status, half subscribe): {fan}");
         let per = memory_per_elector(10_000).await;

@@ -957,18 +957,18 @@ pub async fn elector_watching_follower_is_quiet(store: DynLeaseStore) {
     cleanup(&store, &key).await;
 }
 
-/// Expands to one `#[tokio::test]` per conformance case, each calling `$make().await` for a
-/// fresh [`DynLeaseStore`](crate::DynLeaseStore). Needs the `conformance` feature and Tokio's
-/// `macros` and `rt-multi-thread` features in the calling crate.
+/// Calls the macro `$callback` with the name of every conformance case, comma-separated, after
+/// any extra tokens given (`$callback!(extra tokens; case, case, …)`), for suites that run the
+/// cases their own way (one shared server, a container):
 ///
 /// ```text
-/// async fn make_store() -> leasehold::DynLeaseStore { std::sync::Arc::new(leasehold::MemoryStore::new()) }
-/// leasehold::conformance_suite!(make_store);
+/// macro_rules! run_all { ($($case:ident),*) => { $( leasehold::conformance::$case(store.clone()).await; )* } }
+/// leasehold::for_each_conformance_case!(run_all);
 /// ```
 #[macro_export]
-macro_rules! conformance_suite {
-    ($make:path) => {
-        $crate::conformance_suite!(@cases $make;
+macro_rules! for_each_conformance_case {
+    (@go $callback:path [$($pre:tt)*]) => {
+        $callback!($($pre)*
             store_create_get_update_delete,
             store_create_existing_fails,
             store_stale_versions_conflict,
@@ -994,6 +994,24 @@ macro_rules! conformance_suite {
             elector_watching_follower_is_quiet
         );
     };
+    ($callback:path) => {
+        $crate::for_each_conformance_case!(@go $callback []);
+    };
+    ($callback:path, $($args:tt)+) => {
+        $crate::for_each_conformance_case!(@go $callback [$($args)+ ;]);
+    };
+}
+
+/// Expands to one `#[tokio::test]` per conformance case, each calling `$make().await` for a
+/// fresh [`DynLeaseStore`](crate::DynLeaseStore). Needs the `conformance` feature and Tokio's
+/// `macros` and `rt-multi-thread` features in the calling crate.
+///
+/// ```text
+/// async fn make_store() -> leasehold::DynLeaseStore { std::sync::Arc::new(leasehold::MemoryStore::new()) }
+/// leasehold::conformance_suite!(make_store);
+/// ```
+#[macro_export]
+macro_rules! conformance_suite {
     (@cases $make:path; $($case:ident),* $(,)?) => {
         $(
             #[::tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -1001,5 +1019,8 @@ macro_rules! conformance_suite {
                 $crate::conformance::$case($make().await).await;
             }
         )*
+    };
+    ($make:path) => {
+        $crate::for_each_conformance_case!($crate::conformance_suite, @cases $make);
     };
 }

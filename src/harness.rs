@@ -78,6 +78,43 @@ pub struct Settings {
     pub retry: Duration,
 }
 
+impl Settings {
+    /// The default settings, or fewer rounds and a shorter window when the program was started
+    /// with `--quick` (as in `cargo bench --bench handover -- --quick`).
+    pub fn from_args() -> Settings {
+        let mut s = Settings::default();
+        if std::env::args().any(|a| a == "--quick") {
+            s.handover_rounds = 50;
+            s.failover_rounds = 2;
+            s.steady_window = Duration::from_secs(2);
+        }
+        s
+    }
+}
+
+/// The `main` of a store's handover bench: builds a runtime, makes the store (`make` returns a
+/// description for the report and the store), runs [`run`] with [`Settings::from_args`] and
+/// prints the report.
+///
+/// # Panics
+/// When the runtime cannot be built or the store misbehaves.
+pub fn bench_main<F, Fut>(make: F)
+where
+    F: FnOnce() -> Fut,
+    Fut: std::future::Future<Output = (String, DynLeaseStore)>,
+{
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .unwrap_or_else(|e| panic!("harness: cannot build a Tokio runtime: {e}"));
+    rt.block_on(async {
+        let settings = Settings::from_args();
+        let (what, store) = make().await;
+        println!("leasehold handover benchmark: {what}, {settings:?}");
+        print!("{}", run(store, &settings).await);
+    });
+}
+
 impl Default for Settings {
     fn default() -> Self {
         Settings {

@@ -9,27 +9,11 @@
 mod common;
 
 use std::sync::Arc;
-use std::time::Duration;
-
-use leasehold::harness::{Settings, run};
 
 fn main() {
-    let quick = std::env::args().any(|a| a == "--quick");
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-        .expect("runtime");
-    rt.block_on(async {
-        let mut settings = Settings::default();
-        if quick {
-            settings.handover_rounds = 50;
-            settings.failover_rounds = 2;
-            settings.steady_window = Duration::from_secs(2);
-        }
-        let endpoints = common::shared_endpoints().await;
-        println!("leasehold handover benchmark: etcd at {endpoints:?}, {settings:?}");
-        let store = Arc::new(common::shared_store().await);
-        let report = run(store, &settings).await;
-        print!("{report}");
+    leasehold::harness::bench_main(|| async {
+        let what = format!("etcd at {:?}", common::shared_endpoints().await);
+        let store: leasehold::DynLeaseStore = Arc::new(common::shared_store().await);
+        (what, store)
     });
 }

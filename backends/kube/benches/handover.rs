@@ -9,25 +9,9 @@
 #[allow(unused_imports)]
 mod support;
 
-use std::time::Duration;
-
-use leasehold::harness::{Settings, run};
-
 fn main() {
-    let quick = std::env::args().any(|a| a == "--quick");
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-        .expect("runtime");
-    rt.block_on(async {
-        let mut settings = Settings::default();
-        if quick {
-            settings.handover_rounds = 50;
-            settings.failover_rounds = 2;
-            settings.steady_window = Duration::from_secs(2);
-        }
-        println!("leasehold handover benchmark: kube store against the test Lease API server, {settings:?}");
-        let report = run(support::make_store().await, &settings).await;
-        print!("{report}");
+    leasehold::harness::bench_main(|| async {
+        let what = "kube store against the test Lease API server".to_owned();
+        (what, support::make_store().await)
     });
 }

@@ -51,7 +51,7 @@ async fn k3s_conformance_suite() {
             )*
         };
     }
-    for_each_conformance_case!(run_all);
+    leasehold::for_each_conformance_case!(run_all);
     drop(container);
     let _ = std::fs::remove_dir_all(&conf_dir);
 }

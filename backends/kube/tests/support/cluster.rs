@@ -48,36 +48,3 @@ pub async fn store_from_env() -> Option<leasehold::DynLeaseStore> {
         KubeStore::new(client, cluster_config(&ns)).expect("valid store config"),
     ))
 }
-
-/// Calls `$body!(case)` for every case of the shared conformance suite (the list in
-/// `leasehold::conformance_suite!`; keep in step with it).
-#[macro_export]
-macro_rules! for_each_conformance_case {
-    ($body:ident) => {
-        $body!(
-            store_create_get_update_delete,
-            store_create_existing_fails,
-            store_stale_versions_conflict,
-            store_concurrent_updates_one_wins,
-            store_concurrent_creates_one_wins,
-            store_watch_delivers_changes_in_order,
-            store_watch_loses_nothing_after_get,
-            store_watch_from_current_state,
-            store_list_by_prefix,
-            store_invalid_keys_rejected,
-            store_unicode_and_max_length_round_trip,
-            store_record_fields_round_trip,
-            store_independent_keys_do_not_interfere,
-            elector_single_candidate_acquires,
-            elector_exactly_one_leader,
-            elector_graceful_handover,
-            elector_crash_takeover_after_expiry,
-            elector_renew_failure_steps_down_first,
-            elector_fencing_token_increases,
-            elector_release_after_leader_tasks,
-            elector_yield,
-            elector_followers_see_leader,
-            elector_watching_follower_is_quiet
-        );
-    };
-}
