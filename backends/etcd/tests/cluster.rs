@@ -72,22 +72,8 @@ async fn three_member_cluster_failover_quorum_loss_and_recovery() {
     // Let renewals go through the surviving members, then check there is a leader.
     let mut renewals_after_stop = 0;
     while renewals_after_stop < 3 {
-        let item = tokio::time::timeout(LIMIT, watch.next())
-            .await
-            .expect("the watch kept delivering renewals after a member failure")
-            .expect("the watch stream did not end");
-        match item {
-            Ok(WatchEvent::Put(v)) => {
-                let rev = revision(&v.version).unwrap();
-                assert!(
-                    rev > last_rev,
-                    "revisions went back: {rev} after {last_rev}"
-                );
-                last_rev = rev;
-                renewals_after_stop += 1;
-            }
-            Ok(other) => panic!("unexpected watch event {other:?}"),
-            Err(e) => assert!(e.is_retryable(), "{e:?}"),
+        if next_put_in_order(&mut watch, &mut last_rev).await {
+            renewals_after_stop += 1;
         }
     }
     let took = wait_for(LIMIT, || leading(&es).len() == 1).await;
@@ -127,22 +113,8 @@ async fn three_member_cluster_failover_quorum_loss_and_recovery() {
     etcd.wait_ready(raft_leader).await;
     let mut puts = 0;
     while puts < 2 {
-        match tokio::time::timeout(LIMIT, watch.next())
-            .await
-            .unwrap()
-            .unwrap()
-        {
-            Ok(WatchEvent::Put(v)) => {
-                let rev = revision(&v.version).unwrap();
-                assert!(
-                    rev > last_rev,
-                    "revisions went back: {rev} after {last_rev}"
-                );
-                last_rev = rev;
-                puts += 1;
-            }
-            Ok(other) => panic!("unexpected watch event {other:?}"),
-            Err(e) => assert!(e.is_retryable(), "{e:?}"),
+        if next_put_in_order(&mut watch, &mut last_rev).await {
+            puts += 1;
         }
     }
 
@@ -157,4 +129,29 @@ async fn three_member_cluster_failover_quorum_loss_and_recovery() {
         LEASE + RENEW
     );
     assert_eq!(report.overlaps, 0, "two electors led at the same time");
+}
+
+/// Takes the next watch item: a `Put` must carry a revision above `last_rev` (which it then
+/// becomes; returns true), an error must be retryable (returns false); anything else fails.
+async fn next_put_in_order(watch: &mut leasehold::WatchStream, last_rev: &mut i64) -> bool {
+    let item = tokio::time::timeout(LIMIT, watch.next())
+        .await
+        .expect("the watch kept delivering after a member failure")
+        .expect("the watch stream did not end");
+    match item {
+        Ok(WatchEvent::Put(v)) => {
+            let rev = revision(&v.version).unwrap();
+            assert!(
+                rev > *last_rev,
+                "revisions went back: {rev} after {last_rev}"
+            );
+            *last_rev = rev;
+            true
+        }
+        Ok(other) => panic!("unexpected watch event {other:?}"),
+        Err(e) => {
+            assert!(e.is_retryable(), "{e:?}");
+            false
+        }
+    }
 }

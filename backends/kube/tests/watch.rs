@@ -31,6 +31,21 @@ async fn next(w: &mut WatchStream) -> WatchEvent {
     }
 }
 
+/// Unrelated writes (a create and three updates of `other`) that move the store-wide
+/// resourceVersion on, past the server's history once it is compacted.
+async fn churn(s: &impl LeaseStore, other: &LeaseKey) {
+    let mut ov = s
+        .create(other, &record("x", 0))
+        .await
+        .expect("create other");
+    for i in 0..3 {
+        ov = s
+            .update(other, &record("x", i), &ov)
+            .await
+            .expect("update other");
+    }
+}
+
 fn put_version(ev: &WatchEvent) -> Version {
     match ev {
         WatchEvent::Put(v) => v.version.clone(),
@@ -109,16 +124,7 @@ async fn expired_resource_version_with_no_change_delivers_nothing_old() {
     let other = key("gone-other");
     let v1 = s.create(&k, &record("a", 1)).await.expect("create");
     // Unrelated writes move the store's resourceVersion past the history.
-    let mut ov = s
-        .create(&other, &record("x", 0))
-        .await
-        .expect("create other");
-    for i in 0..3 {
-        ov = s
-            .update(&other, &record("x", i), &ov)
-            .await
-            .expect("update other");
-    }
+    churn(&s, &other).await;
     server.compact();
     let mut w = s.watch(&k, Some(&v1)).await.expect("watch");
     // The key is unchanged since v1: the re-read delivers nothing, the next change comes next.
@@ -150,16 +156,7 @@ async fn resumes_correctly_with_bookmarks_and_compaction() {
             }
         }
     });
-    let mut ov = s
-        .create(&other, &record("x", 0))
-        .await
-        .expect("create other");
-    for i in 0..3 {
-        ov = s
-            .update(&other, &record("x", i), &ov)
-            .await
-            .expect("update other");
-    }
+    churn(&s, &other).await;
     tokio::time::sleep(Duration::from_millis(200)).await;
     server.compact();
     server.drop_connections();
