@@ -187,14 +187,4 @@ impl Error {
             _ => false,
         }
     }
-
-    /// Builds an [`Error::Unavailable`] from a store name and a source error.
-    pub fn unavailable(store: &'static str, source: impl Into<BoxError>) -> Self {
-        let source = source.into();
-        Error::Unavailable {
-            store,
-            message: source.to_string(),
-            source: Some(source),
-        }
-    }
 }

@@ -230,11 +230,6 @@ impl StatusChanged {
     pub fn from_future(f: impl Future<Output = ()> + Send + 'static) -> Self {
         StatusChanged(Box::pin(f))
     }
-
-    /// A signal that never fires: the status is final.
-    pub fn never() -> Self {
-        StatusChanged(Box::pin(std::future::pending()))
-    }
 }
 
 /// Anything that publishes a leadership status with a change signal: an
