@@ -238,4 +238,9 @@ impl LeaseStore for FaultyStore {
         self.faults.before(self.name(), "list").await?;
         self.inner.list(prefix).await
     }
+
+    async fn fencing_seed(&self, key: &LeaseKey) -> Result<u64> {
+        self.faults.before(self.name(), "fencing_seed").await?;
+        self.inner.fencing_seed(key).await
+    }
 }

@@ -254,4 +254,11 @@ impl LeaseStore for MemoryStore {
             .collect();
         Ok(out)
     }
+
+    /// One above the store-wide revision: every accepted write raises the revision, and deleting
+    /// a key does not lower it.
+    async fn fencing_seed(&self, key: &LeaseKey) -> Result<u64> {
+        let _ = key;
+        Ok(self.lock().revision.saturating_add(1))
+    }
 }

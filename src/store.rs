@@ -375,6 +375,28 @@ pub trait LeaseStore: fmt::Debug + Send + Sync + 'static {
 
     /// Lists every key under `prefix` with its record and version, sorted by key.
     async fn list(&self, prefix: &KeyPrefix) -> Result<Vec<(LeaseKey, Versioned)>>;
+
+    /// A fencing-token seed for a record about to be **created** under `key` (a fresh key, or
+    /// corrupt data about to be replaced): a value from a store-side source that never goes
+    /// backwards and grows by at least one with every write the store accepts for `key`.
+    ///
+    /// The elector starts a fresh record's `transitions` (the fencing token) at this value, and
+    /// adds one per acquisition after that, so a token is never issued twice for a key even when
+    /// its record is deleted, evicted or lost (see the per-store table in the README for what each
+    /// store's source survives). Sources: the memory store's revision counter, etcd's cluster
+    /// revision, Redis's version counter (never below the server clock in µs), and for
+    /// Kubernetes a wall-clock value (the API offers no monotonic source).
+    ///
+    /// The default returns [`Error::Unsupported`]; the elector then starts a fresh record one
+    /// above the highest token it has seen itself (0 when it has seen none), and logs a warning
+    /// once: tokens can then repeat after the record is lost.
+    async fn fencing_seed(&self, key: &LeaseKey) -> Result<u64> {
+        let _ = key;
+        Err(Error::Unsupported {
+            store: self.name(),
+            operation: "fencing_seed",
+        })
+    }
 }
 
 /// A shared, type-erased store: what electors and counters hold.
@@ -412,6 +434,9 @@ macro_rules! forward_store {
             }
             async fn list(&self, prefix: &KeyPrefix) -> Result<Vec<(LeaseKey, Versioned)>> {
                 (**self).list(prefix).await
+            }
+            async fn fencing_seed(&self, key: &LeaseKey) -> Result<u64> {
+                (**self).fencing_seed(key).await
             }
         }
     };
