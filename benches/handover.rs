@@ -10,7 +10,7 @@ use std::time::Duration;
 use leasehold::harness::Stats;
 use leasehold::{
     DynLeaseStore, Elector, ElectorConfig, LeaderStatus, LeaseKey, MemoryStore, StatusCell,
-    StatusSource,
+    StatusSource, testing,
 };
 use tokio::time::Instant;
 
@@ -56,9 +56,12 @@ async fn fan_out(waiters: usize, rounds: usize) -> Stats {
         }
         tokio::time::sleep(Duration::from_millis(50)).await; // all parked
         let start = Instant::now();
-        cell.set(LeaderStatus::NotLeading {
-            leader: Some(format!("leader-{round}")),
-        });
+        testing::set_status(
+            &cell,
+            LeaderStatus::NotLeading {
+                leader: Some(format!("leader-{round}")),
+            },
+        );
         done.notified().await;
         samples.push(start.elapsed());
         for h in handles {

@@ -270,7 +270,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     );
 
     println!("stopping ctrl-1 and changing the stack ...");
-    e1.shutdown().await;
+    e1.shutdown().await.expect("the elector shuts down cleanly");
     std::fs::write(manifests.join("coredns/deployment.yaml"), "replicas: 2\n")?;
     tokio::time::sleep(Duration::from_millis(800)).await;
     println!(
@@ -283,7 +283,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     );
 
     shutdown.cancel();
-    e2.shutdown().await;
+    e2.shutdown().await.expect("the elector shuts down cleanly");
     let _ = tokio::join!(t1, t2);
     std::fs::remove_dir_all(&root)?;
     Ok(())

@@ -97,7 +97,11 @@ async fn main() -> leasehold::Result<()> {
     println!("--- graceful handover: {} shuts down", cands[first].name);
     let leaving = cands.remove(first);
     let released = Instant::now();
-    leaving.elector.shutdown().await;
+    leaving
+        .elector
+        .shutdown()
+        .await
+        .expect("the elector shuts down cleanly");
     leaving.stop.cancel();
     let _ = leaving.tasks.await;
     let second = wait_for_leader(&cands).await;
@@ -119,9 +123,16 @@ async fn main() -> leasehold::Result<()> {
 
     crashed.stop.cancel();
     let _ = crashed.tasks.await;
-    crashed.elector.shutdown().await;
+    crashed
+        .elector
+        .shutdown()
+        .await
+        .expect("the elector shuts down cleanly");
     for c in cands {
-        c.elector.shutdown().await;
+        c.elector
+            .shutdown()
+            .await
+            .expect("the elector shuts down cleanly");
         c.stop.cancel();
         let _ = c.tasks.await;
     }

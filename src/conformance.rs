@@ -580,22 +580,21 @@ async fn cleanup(store: &DynLeaseStore, key: &LeaseKey) {
     }
 }
 
-/// A single candidate should acquire the lease, write itself as holder with fencing token 0,
-/// and release it on shutdown.
+/// A single candidate should acquire the lease, write itself as holder with its fencing token
+/// as the record's transitions, and release it on shutdown.
 pub async fn elector_single_candidate_acquires(store: DynLeaseStore) {
     let key = unique_key("single");
     let a = spawn(&handle(&store), &key, "cand-a");
     let (token, _) = Monitor::new(&a, "a").leading().await;
-    assert_eq!(
-        token, 0,
-        "the first acquisition of a new record has fencing token 0"
-    );
     let rec = fail("get", store.get(&key).await).expect("the elector created the record");
     assert_eq!(rec.record.holder_identity, "cand-a");
-    assert_eq!(rec.record.transitions, 0);
+    assert_eq!(
+        rec.record.transitions, token,
+        "the record's transitions is the leader's fencing token"
+    );
     assert!(rec.record.acquire_time.is_some() && rec.record.renew_time.is_some());
     assert!(a.check_health().is_ok());
-    a.shutdown().await;
+    a.shutdown().await.expect("the elector shuts down cleanly");
     assert!(!a.is_leading());
     let rec = fail("get", store.get(&key).await).expect("record kept");
     assert_eq!(
@@ -652,7 +651,7 @@ pub async fn elector_exactly_one_leader(store: DynLeaseStore) {
         "the leader's status did not change while it renewed"
     );
     for e in &electors {
-        e.shutdown().await;
+        e.shutdown().await.expect("the elector shuts down cleanly");
     }
     cleanup(&store, &key).await;
 }
@@ -676,14 +675,14 @@ pub async fn elector_graceful_handover(store: DynLeaseStore) {
         .wait_for("following a", |s| s.leader() == Some("cand-a"))
         .await;
     let shut = Instant::now();
-    a.shutdown().await;
+    a.shutdown().await.expect("the elector shuts down cleanly");
     let (tb, at) = Monitor::new(&b, "b").leading().await;
     assert!(tb > ta, "fencing token grows on handover: {ta} then {tb}");
     assert!(at >= shut);
     let rec = fail("get", store.get(&key).await).expect("present");
     assert_eq!(rec.record.holder_identity, "cand-b");
     assert_eq!(rec.record.transitions, tb);
-    b.shutdown().await;
+    b.shutdown().await.expect("the elector shuts down cleanly");
     cleanup(&store, &key).await;
 }
 
@@ -720,8 +719,8 @@ pub async fn elector_crash_takeover_after_expiry(store: DynLeaseStore) {
         None,
         "a cut-off elector does not claim to know the leader"
     );
-    a.shutdown().await;
-    b.shutdown().await;
+    a.shutdown().await.expect("the elector shuts down cleanly");
+    b.shutdown().await.expect("the elector shuts down cleanly");
     cleanup(&store, &key).await;
 }
 
@@ -749,26 +748,29 @@ pub async fn elector_renew_failure_steps_down_first(store: DynLeaseStore) {
         "a stepped down only once its renew deadline passed"
     );
     ha.faults().heal();
-    a.shutdown().await;
-    b.shutdown().await;
+    a.shutdown().await.expect("the elector shuts down cleanly");
+    b.shutdown().await.expect("the elector shuts down cleanly");
     cleanup(&store, &key).await;
 }
 
-/// The fencing token should grow by one with every acquisition, also for a new elector instance
-/// with a previous holder's identity.
+/// The fencing token should grow by one with every acquisition of an existing record, also for a
+/// new elector instance with a previous holder's identity.
 pub async fn elector_fencing_token_increases(store: DynLeaseStore) {
     let key = unique_key("fencing");
     let h = handle(&store);
-    let mut last = None;
+    let mut last: Option<u64> = None;
     for round in 0..3u64 {
         let e = spawn(&h, &key, "same-identity");
         let (t, _) = Monitor::new(&e, "e").leading().await;
-        assert_eq!(t, round, "acquisition {round} has token {round}");
         if let Some(prev) = last {
-            assert!(t > prev);
+            assert_eq!(
+                t,
+                prev + 1,
+                "acquisition {round} has the previous token + 1"
+            );
         }
         last = Some(t);
-        e.shutdown().await;
+        e.shutdown().await.expect("the elector shuts down cleanly");
     }
     cleanup(&store, &key).await;
 }
@@ -823,7 +825,7 @@ pub async fn elector_release_after_leader_tasks(store: DynLeaseStore) {
         drop(guard);
         Instant::now()
     });
-    a.shutdown().await;
+    a.shutdown().await.expect("the elector shuts down cleanly");
     let released = Instant::now();
     let (cause, rec) = timeout(WAIT_LIMIT, seen_rx)
         .await
@@ -874,8 +876,8 @@ pub async fn elector_yield(store: DynLeaseStore) {
     fail("yield", a.yield_for(WAIT_LIMIT * 2).await);
     let (t2, _) = Monitor::new(&b, "b").leading().await;
     assert!(t2 > t1);
-    a.shutdown().await;
-    b.shutdown().await;
+    a.shutdown().await.expect("the elector shuts down cleanly");
+    b.shutdown().await.expect("the elector shuts down cleanly");
     cleanup(&store, &key).await;
 }
 
@@ -893,7 +895,7 @@ pub async fn elector_followers_see_leader(store: DynLeaseStore) {
             .await;
         assert_eq!(e.leader().as_deref(), Some("leader-ä"));
     }
-    a.shutdown().await;
+    a.shutdown().await.expect("the elector shuts down cleanly");
     // One of b/c leads; the other sees it.
     let deadline = Instant::now() + WAIT_LIMIT;
     let (leader, follower) = loop {
@@ -910,8 +912,8 @@ pub async fn elector_followers_see_leader(store: DynLeaseStore) {
     Monitor::new(follower, "follower")
         .wait_for("seeing the new leader", |s| s.leader() == Some(id.as_str()))
         .await;
-    b.shutdown().await;
-    c.shutdown().await;
+    b.shutdown().await.expect("the elector shuts down cleanly");
+    c.shutdown().await.expect("the elector shuts down cleanly");
     cleanup(&store, &key).await;
 }
 
@@ -952,8 +954,8 @@ pub async fn elector_watching_follower_is_quiet(store: DynLeaseStore) {
         renewals as u128 <= max,
         "the leader wrote {renewals} times in {elapsed:?}; at most one write per retry period expected"
     );
-    a.shutdown().await;
-    b.shutdown().await;
+    a.shutdown().await.expect("the elector shuts down cleanly");
+    b.shutdown().await.expect("the elector shuts down cleanly");
     cleanup(&store, &key).await;
 }
 

@@ -157,6 +157,30 @@ pub enum Error {
         key: String,
     },
 
+    /// A leadership term may not be acted on any more: its validity passed (no confirmed renewal
+    /// within the renew deadline; the process may have been paused) or it was revoked. Stop the
+    /// leader-only work; a new term, if any, comes with a new fencing token.
+    #[error(
+        "the leadership term with fencing token {fencing_token} is no longer valid{}: do not act on it",
+        match cause { Some(c) => format!(" ({c})"), None => String::new() }
+    )]
+    NotLeading {
+        /// The term's fencing token.
+        fencing_token: u64,
+        /// Why the term ended, when it has been ended (it may only have run out of validity).
+        cause: Option<crate::status::StopCause>,
+    },
+
+    /// The elector's background task failed (it panicked); the elector has stopped. This is a bug:
+    /// please report it with the message.
+    #[error("the elector for lease {key:?} failed and has stopped: {message}")]
+    ElectorFailed {
+        /// The elector's lease key.
+        key: String,
+        /// What happened.
+        message: String,
+    },
+
     /// A health check failed: the elector believes it leads but has not renewed in time.
     #[error(
         "elector {identity:?} believes it leads lease {key:?} but its last successful renewal was {since:?} ago (renew deadline {renew_deadline:?})"

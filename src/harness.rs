@@ -236,8 +236,14 @@ pub async fn run(store: DynLeaseStore, s: &Settings) -> Report {
     }
     report.leader_writes_per_sec = writes as f64 / start.elapsed().as_secs_f64();
     drop(w);
-    follower.shutdown().await;
-    leader.shutdown().await;
+    follower
+        .shutdown()
+        .await
+        .expect("the elector shuts down cleanly");
+    leader
+        .shutdown()
+        .await
+        .expect("the elector shuts down cleanly");
 
     // Crash failover: cut the leader off right after one of its renewals lands.
     let mut samples = Vec::with_capacity(s.failover_rounds);
@@ -264,8 +270,8 @@ pub async fn run(store: DynLeaseStore, s: &Settings) -> Report {
         let led = until_leading(&b).await;
         let took = led.duration_since(renewed);
         samples.push(took.saturating_sub(s.lease));
-        a.shutdown().await;
-        b.shutdown().await;
+        a.shutdown().await.expect("the elector shuts down cleanly");
+        b.shutdown().await.expect("the elector shuts down cleanly");
     }
     report.failover_excess = Stats::of(samples);
     report

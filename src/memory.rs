@@ -29,6 +29,7 @@ use crate::store::{
 #[derive(Clone, Debug)]
 enum Value {
     Record(LeaseRecord),
+    #[cfg_attr(not(feature = "testing"), allow(dead_code))]
     Corrupt(String),
 }
 
@@ -68,6 +69,8 @@ impl MemoryStore {
 
     /// Test helper: replaces whatever is under `key` with data that is not a lease record, as a
     /// foreign writer would. Reads then fail with [`Error::Corrupt`].
+    #[cfg(feature = "testing")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "testing")))]
     pub fn write_corrupt(&self, key: &LeaseKey, reason: &str) -> Version {
         let mut st = self.lock();
         st.revision += 1;

@@ -62,11 +62,23 @@ impl fmt::Display for StopCause {
     }
 }
 
+/// How long a term may be acted on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Validity {
+    /// Until this instant (monotonic), unless moved by a renewal.
+    Until(Instant),
+    /// Until the term is ended (terms that need no lease, such as k0s's always-leading).
+    UntilEnded,
+    /// Not any more.
+    Revoked,
+}
+
 struct Term {
     fencing_token: u64,
     since: Instant,
     since_wall: SystemTime,
     ended: OnceLock<StopCause>,
+    validity: Arc<Mutex<Validity>>,
     on_last_drop: Mutex<Option<oneshot::Sender<()>>>,
 }
 
@@ -83,8 +95,20 @@ impl Drop for Term {
     }
 }
 
-/// One term of leadership: the fencing token and when it began. Also a guard (see the
-/// [module docs](self)). Cheap to clone; clones are the same term.
+/// One term of leadership: the fencing token, when it began, and until when it may be acted on.
+/// Also a guard (see the [module docs](self)). Cheap to clone; clones are the same term.
+///
+/// Only an elector (or the k0s layer's stand-ins) creates and ends terms; user code cannot forge
+/// one. Tests fake them through the `testing` feature.
+///
+/// # Acting on a term
+///
+/// Call [`ensure_leading`](Leadership::ensure_leading) right before every side effect that only
+/// the leader may perform: it checks the term against the monotonic clock *now*, so it also
+/// catches a process that was paused (SIGSTOP, a GC or VM stall) past its term and has not yet
+/// heard that it lost it. The check narrows the window but cannot close it (the process can pause
+/// between the check and the effect): pass [`fencing_token`](Leadership::fencing_token) to every
+/// system that can reject writes from an older term. That is the real protection.
 #[derive(Clone)]
 pub struct Leadership {
     term: Arc<Term>,
@@ -93,17 +117,19 @@ pub struct Leadership {
 // === impl Leadership ===
 
 impl Leadership {
-    /// A term with fencing token `fencing_token` that starts now.
-    ///
-    /// Electors create these; the constructor is public for fakes in tests and for
-    /// always-leading setups. The returned receiver resolves once every clone is dropped.
-    pub fn new(fencing_token: u64) -> (Self, oneshot::Receiver<()>) {
+    /// A term with fencing token `fencing_token` that starts now and may be acted on as
+    /// `validity` says. The returned receiver resolves once every clone is dropped.
+    pub(crate) fn new_term(
+        fencing_token: u64,
+        validity: Validity,
+    ) -> (Self, oneshot::Receiver<()>) {
         let (tx, rx) = oneshot::channel();
         let term = Term {
             fencing_token,
             since: Instant::now(),
             since_wall: SystemTime::now(),
             ended: OnceLock::new(),
+            validity: Arc::new(Mutex::new(validity)),
             on_last_drop: Mutex::new(Some(tx)),
         };
         (
@@ -115,7 +141,8 @@ impl Leadership {
     }
 
     /// The fencing token of this term: the lease record's `transitions` after acquisition.
-    /// Strictly greater than the token of every earlier term on the same record.
+    /// Strictly greater than the token of every earlier term on the same key (see the README's
+    /// store table for what each store's guarantee survives).
     pub fn fencing_token(&self) -> u64 {
         self.term.fencing_token
     }
@@ -130,15 +157,70 @@ impl Leadership {
         self.term.since_wall
     }
 
-    /// Why this term ended, once it has.
+    /// Why this term ended, once it has. The first cause recorded is kept forever.
     pub fn end_cause(&self) -> Option<StopCause> {
         self.term.ended.get().copied()
     }
 
-    /// Records why the term ended (first call wins). Used by the publisher before it publishes
-    /// the status that supersedes this term.
-    pub fn mark_ended(&self, cause: StopCause) {
+    /// Records why the term ended (first call wins).
+    pub(crate) fn mark_ended(&self, cause: StopCause) {
         let _ = self.term.ended.set(cause);
+    }
+
+    fn validity(&self) -> Validity {
+        *self.term.validity.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    #[cfg(feature = "testing")]
+    pub(crate) fn set_validity(&self, v: Validity) {
+        set_validity(&self.term.validity, v);
+    }
+
+    /// The term's validity cell, for the publisher to update without holding a guard.
+    pub(crate) fn validity_cell(&self) -> Arc<Mutex<Validity>> {
+        self.term.validity.clone()
+    }
+
+    /// Until when this term may be acted on, as known now (monotonic clock): the instant its
+    /// last confirmed renewal was sent plus the renew deadline. Renewals move it later; it is
+    /// `None` once the term has been revoked (lost, or released) and for terms that need no
+    /// lease (see [`ensure_leading`](Self::ensure_leading) for those).
+    ///
+    /// A graceful step-down keeps renewing while leader tasks drain, so a task's cleanup may
+    /// still act on the term until the elector revokes it right before releasing the lease.
+    pub fn valid_until(&self) -> Option<Instant> {
+        match self.validity() {
+            Validity::Until(t) => Some(t),
+            Validity::UntilEnded | Validity::Revoked => None,
+        }
+    }
+
+    /// Whether this term may be acted on right now (see [`ensure_leading`](Self::ensure_leading)).
+    pub fn is_valid(&self) -> bool {
+        match self.validity() {
+            Validity::Until(t) => Instant::now() < t,
+            Validity::UntilEnded => self.end_cause().is_none(),
+            Validity::Revoked => false,
+        }
+    }
+
+    /// Checks, against the monotonic clock, that this term may still be acted on, and returns
+    /// its fencing token. Call it right before each leader-only side effect, and pass the token
+    /// along to whatever can check it.
+    ///
+    /// # Errors
+    /// [`Error::NotLeading`](crate::Error::NotLeading) when the term's validity has passed (its
+    /// last confirmed renewal is older than the renew deadline: the process may have been
+    /// paused), or the term was revoked (lost, released, or ended).
+    pub fn ensure_leading(&self) -> crate::Result<u64> {
+        if self.is_valid() {
+            Ok(self.term.fencing_token)
+        } else {
+            Err(crate::Error::NotLeading {
+                fencing_token: self.term.fencing_token,
+                cause: self.end_cause(),
+            })
+        }
     }
 
     /// Whether `self` and `other` are the same term.
@@ -159,7 +241,16 @@ impl fmt::Debug for Leadership {
         f.debug_struct("Leadership")
             .field("fencing_token", &self.term.fencing_token)
             .field("since", &self.term.since)
+            .field("valid_until", &self.valid_until())
             .finish()
+    }
+}
+
+/// Updates a validity cell; a revoked term stays revoked.
+pub(crate) fn set_validity(cell: &Mutex<Validity>, v: Validity) {
+    let mut cur = cell.lock().unwrap_or_else(|e| e.into_inner());
+    if *cur != Validity::Revoked {
+        *cur = v;
     }
 }
 
@@ -252,7 +343,8 @@ impl<T: StatusSource + ?Sized> StatusSource for &T {
 }
 
 /// A published status: the current value plus change notification, notifying only on real
-/// changes. Electors publish through one; tests use one as a fake [`StatusSource`].
+/// changes. Electors publish through one; only the crate (and tests, through the `testing`
+/// feature) can set it.
 #[derive(Clone, Debug)]
 pub struct StatusCell {
     tx: Arc<watch::Sender<LeaderStatus>>,
@@ -276,7 +368,7 @@ impl StatusCell {
 
     /// Publishes `status` if it differs from the current one; returns whether it did.
     /// When a `Leading` term is superseded, the cell's own clone of its guard is dropped.
-    pub fn set(&self, status: LeaderStatus) -> bool {
+    pub(crate) fn set(&self, status: LeaderStatus) -> bool {
         self.tx.send_if_modified(|cur| {
             if *cur == status {
                 false
@@ -330,7 +422,7 @@ mod tests {
 
     #[tokio::test]
     async fn guard_fires_when_last_clone_drops() {
-        let (l, mut rx) = Leadership::new(3);
+        let (l, mut rx) = Leadership::new_term(3, Validity::UntilEnded);
         let cell = StatusCell::new(LeaderStatus::Leading(l.clone()));
         drop(l);
         assert!(rx.try_recv().is_err());

@@ -1,14 +1,17 @@
 //! [`run_leader_tasks`]: run work only while leading.
 
 use std::future::Future;
+use std::sync::{Arc, OnceLock};
 
+use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info};
 
 use crate::status::{LeaderStatus, Leadership, StatusSource, StopCause};
 
 /// What a leader task gets: a cancellation token that fires when leadership ends (or the parent
-/// is cancelled), the fencing token, and — once cancelled — the cause.
+/// is cancelled), the fencing token, a deadline check for side effects, and — once cancelled —
+/// the cause.
 ///
 /// The context holds the term's [`Leadership`] guard: an ordered shutdown of the elector waits
 /// for every clone of the context to be dropped before it releases the lease.
@@ -17,6 +20,7 @@ pub struct LeaderContext {
     token: CancellationToken,
     leadership: Leadership,
     parent: CancellationToken,
+    cause: Arc<OnceLock<StopCause>>,
 }
 
 // === impl LeaderContext ===
@@ -41,15 +45,27 @@ impl LeaderContext {
     }
 
     /// Why the task was cancelled (`None` while it may still run): the lease was lost, the
-    /// elector stepped down, or the caller cancelled — k0s's `ErrLostLead` cause, typed.
+    /// elector stepped down, or the caller cancelled — k0s's `ErrLostLead` cause, typed. Like Go's
+    /// `context.Cause`, the first cause is kept forever.
     pub fn cause(&self) -> Option<StopCause> {
         if !self.token.is_cancelled() {
             return None;
         }
-        if self.parent.is_cancelled() && self.leadership.end_cause().is_none() {
-            return Some(StopCause::Cancelled);
+        Some(*self.cause.get_or_init(|| self.current_cause()))
+    }
+
+    fn current_cause(&self) -> StopCause {
+        match self.leadership.end_cause() {
+            Some(c) => c,
+            None if self.parent.is_cancelled() => StopCause::Cancelled,
+            None => StopCause::LeaseLost,
         }
-        Some(self.leadership.end_cause().unwrap_or(StopCause::Cancelled))
+    }
+
+    /// Ends the task's context with the cause as it stands now (first cause wins).
+    fn cancel(&self) {
+        let _ = self.cause.get_or_init(|| self.current_cause());
+        self.token.cancel();
     }
 
     /// The fencing token of this term (see [`Leadership::fencing_token`]). Pass it to every
@@ -58,9 +74,40 @@ impl LeaderContext {
         self.leadership.fencing_token()
     }
 
+    /// Checks against the monotonic clock that the term may still be acted on, and returns its
+    /// fencing token: call it right before every leader-only side effect (see
+    /// [`Leadership::ensure_leading`]). It can fail before the context is cancelled — after a
+    /// process pause, for instance — and can still succeed during a graceful step-down's cleanup,
+    /// while the elector keeps renewing.
+    ///
+    /// # Errors
+    /// [`Error::NotLeading`](crate::Error::NotLeading) when the term may not be acted on.
+    pub fn ensure_leading(&self) -> crate::Result<u64> {
+        self.leadership.ensure_leading()
+    }
+
+    /// Until when the term may be acted on, as known now (see [`Leadership::valid_until`]).
+    pub fn valid_until(&self) -> Option<Instant> {
+        self.leadership.valid_until()
+    }
+
     /// The leadership term this task runs in.
     pub fn leadership(&self) -> &Leadership {
         &self.leadership
+    }
+}
+
+/// Resolves once `l`'s validity has passed (re-armed as renewals move it).
+async fn validity_passed(l: &Leadership) {
+    loop {
+        if !l.is_valid() {
+            return;
+        }
+        match l.valid_until() {
+            Some(t) => tokio::time::sleep_until(t).await,
+            // Valid until ended: the status change reports the end.
+            None => std::future::pending::<()>().await,
+        }
     }
 }
 
@@ -70,8 +117,10 @@ impl LeaderContext {
 /// The counterpart of k0s's `RunLeaderTasks(ctx, statusFunc, tasks)`:
 /// - On each new term, `task` is called once with a [`LeaderContext`] whose token is a child of
 ///   `parent`. The task should return soon after the token is cancelled.
-/// - The task is cancelled only when leadership really ends (a new status that is not the same
-///   term), never restarted for an unrelated status change.
+/// - The task is cancelled when leadership ends (a new status that is not the same term), or as
+///   soon as the term's validity passes by the monotonic clock, even before the elector publishes
+///   the loss (a process resumed after a pause cancels its task first). It is never restarted
+///   for an unrelated status change. Cancellation is checked before the task is polled again.
 /// - If the task returns while still leading, it is **not** run again until leadership is lost
 ///   and re-acquired.
 /// - On a loss, the next term's task starts only after the previous one has returned, so tasks
@@ -117,6 +166,7 @@ where
             token: parent.child_token(),
             leadership: leadership.clone(),
             parent: parent.clone(),
+            cause: Arc::new(OnceLock::new()),
         };
         info!(
             fencing_token = leadership.fencing_token(),
@@ -127,26 +177,27 @@ where
         let mut finished = false;
         loop {
             tokio::select! {
-                () = &mut fut, if !finished => {
-                    finished = true;
-                    debug!("leader task returned while still leading; it runs again on the next term");
-                }
+                // Cancellation first: a ready task is never polled once its term is over.
+                biased;
                 () = parent.cancelled() => break,
                 () = &mut changed => {
                     let (status, next) = source.current_status();
                     match status {
                         LeaderStatus::Leading(l) if l.same_term(&leadership) => changed = next,
-                        _ => {
-                            if leadership.end_cause().is_none() {
-                                leadership.mark_ended(StopCause::LeaseLost);
-                            }
-                            break;
-                        }
+                        _ => break,
                     }
+                }
+                () = validity_passed(&leadership) => {
+                    info!("the leadership term's validity passed; cancelling the leader task");
+                    break;
+                }
+                () = &mut fut, if !finished => {
+                    finished = true;
+                    debug!("leader task returned while still leading; it runs again on the next term");
                 }
             }
         }
-        ctx.token.cancel();
+        ctx.cancel();
         if !finished {
             fut.await;
         }

@@ -63,7 +63,8 @@ async fn expiry_takeover_at_the_exact_instant() {
     let ha = FaultyStore::new(shared.clone());
     let a = spawn(Arc::new(ha.clone()), "a");
     let mut ra = a.subscribe();
-    let t0 = leading(&mut ra).await.since();
+    let la = leading(&mut ra).await;
+    let t0 = la.since();
     let b = spawn(shared.clone(), "b");
     let mut rb = b.subscribe();
     // Renewals happen at t0 + k·RETRY; cut a off between the 2nd and 3rd.
@@ -72,9 +73,9 @@ async fn expiry_takeover_at_the_exact_instant() {
     let last_renewal = t0 + RETRY * 2;
     let tb = leading(&mut rb).await;
     assert_at("takeover", tb.since(), last_renewal + LEASE);
-    assert_eq!(tb.fencing_token(), 1);
-    a.shutdown().await;
-    b.shutdown().await;
+    assert_eq!(tb.fencing_token(), la.fencing_token() + 1);
+    a.shutdown().await.expect("the elector shuts down cleanly");
+    b.shutdown().await.expect("the elector shuts down cleanly");
 }
 
 /// A leader whose renewals fail steps down exactly at its renew deadline, measured from when it
@@ -91,7 +92,7 @@ async fn step_down_at_the_renew_deadline() {
     let down = not_leading(&mut ra).await;
     assert_at("step-down", down, t0 + RETRY + RENEW);
     assert!(a.check_health().is_ok(), "not leading is healthy");
-    a.shutdown().await;
+    a.shutdown().await.expect("the elector shuts down cleanly");
 }
 
 /// Transient renewal errors shorter than the renew deadline do not cost the lease.
@@ -108,7 +109,7 @@ async fn transient_renew_errors_are_retried() {
     assert_eq!(now.leadership(), Some(&term), "still the same term");
     let rec = shared.get(&key()).await.expect("get").expect("present");
     assert_eq!(rec.record.holder_identity, "a");
-    a.shutdown().await;
+    a.shutdown().await.expect("the elector shuts down cleanly");
 }
 
 /// On release, a watching follower acquires at the same instant (no sleep on that path).
@@ -124,10 +125,10 @@ async fn release_handover_is_immediate() {
         .expect("alive");
     sleep(Duration::from_millis(3333)).await;
     let released = Instant::now();
-    a.shutdown().await;
+    a.shutdown().await.expect("the elector shuts down cleanly");
     let tb = leading(&mut rb).await;
     assert_eq!(tb.since(), released, "b acquired at the release instant");
-    b.shutdown().await;
+    b.shutdown().await.expect("the elector shuts down cleanly");
 }
 
 /// Expiry is judged by the follower's own clock: record timestamps in the past or the future
@@ -156,12 +157,12 @@ async fn expiry_ignores_record_timestamps() {
         let tb = leading(&mut rb).await;
         assert_at("takeover", tb.since(), start + Duration::from_secs(30));
         assert_eq!(tb.fencing_token(), 6);
-        b.shutdown().await;
+        b.shutdown().await.expect("the elector shuts down cleanly");
     }
 }
 
 /// A changing corrupt value is never overwritten; once it stays unchanged for a lease duration
-/// it is replaced and the fencing token restarts.
+/// it is replaced, with a fencing token from the store's seed (above every earlier revision).
 #[tokio::test(start_paused = true)]
 async fn corrupt_data_is_replaced_only_after_it_stays_unchanged() {
     let mem = MemoryStore::new();
@@ -172,11 +173,16 @@ async fn corrupt_data_is_replaced_only_after_it_stays_unchanged() {
     sleep(LEASE - Duration::from_secs(1)).await;
     assert!(!b.is_leading());
     let rewritten = Instant::now();
-    mem.write_corrupt(&key(), "foreign bytes 2");
+    let v2 = mem.write_corrupt(&key(), "foreign bytes 2");
     let tb = leading(&mut rb).await;
     assert_at("takeover", tb.since(), rewritten + LEASE);
-    assert_eq!(tb.fencing_token(), 0);
-    b.shutdown().await;
+    let rev: u64 = v2.as_str().parse().expect("memory versions are numbers");
+    assert!(
+        tb.fencing_token() > rev,
+        "token {} from the store's seed is above revision {rev}",
+        tb.fencing_token()
+    );
+    b.shutdown().await.expect("the elector shuts down cleanly");
 }
 
 /// A store that cannot watch: the follower polls, each wait between RETRY and 2.2 × RETRY.
@@ -244,8 +250,8 @@ async fn polling_follower_jitters_within_bounds() {
     }
     let distinct: std::collections::HashSet<_> = gaps.iter().collect();
     assert!(distinct.len() > 10, "polls are jittered, not on a grid");
-    a.shutdown().await;
-    b.shutdown().await;
+    a.shutdown().await.expect("the elector shuts down cleanly");
+    b.shutdown().await.expect("the elector shuts down cleanly");
 }
 
 /// Yield keeps a lone elector from campaigning for exactly the yield time.
@@ -260,5 +266,5 @@ async fn yield_holds_off_for_exactly_the_duration() {
     let t1 = leading(&mut ra).await;
     assert_at("re-acquire", t1.since(), start + Duration::from_secs(42));
     assert_eq!(t1.fencing_token(), t0 + 1);
-    a.shutdown().await;
+    a.shutdown().await.expect("the elector shuts down cleanly");
 }

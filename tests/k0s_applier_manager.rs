@@ -159,7 +159,7 @@ pub async fn applier_takeover(store: DynLeaseStore) {
     // meanwhile, including a removed stack.
     faults.heal();
     wait_status(&*e1, "m1 following m2", |s| s.leader() == Some("m2")).await;
-    e2.shutdown().await;
+    e2.shutdown().await.expect("the elector shuts down cleanly");
     write(&manifests.join("a/app.yaml"), "v4");
     std::fs::remove_dir_all(manifests.join("b")).expect("remove stack b");
     wait_applied(&output, "a", "applied by m1 again", |c| {
@@ -181,7 +181,7 @@ pub async fn applier_takeover(store: DynLeaseStore) {
     );
 
     shutdown.cancel();
-    e1.shutdown().await;
+    e1.shutdown().await.expect("the elector shuts down cleanly");
     t1.await.expect("m1 task");
     t2.await.expect("m2 task");
 }

@@ -5,14 +5,14 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use leasehold::{
-    ElectorConfig, Error, LeaderStatus, Leadership, LeaseKey, StatusCell, StatusChanged,
-    StatusSource, StopCause, default_identity, run_leader_tasks,
+    ElectorConfig, Error, LeaderStatus, LeaseKey, StatusCell, StatusChanged, StatusSource,
+    StopCause, default_identity, run_leader_tasks, testing,
 };
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
 fn leading(token: u64) -> (LeaderStatus, tokio::sync::oneshot::Receiver<()>) {
-    let (l, rx) = Leadership::new(token);
+    let (l, rx) = testing::new_term(token);
     (LeaderStatus::Leading(l), rx)
 }
 
@@ -47,15 +47,16 @@ async fn runs_only_while_leading_and_reports_the_cause() {
     assert!(rx.try_recv().is_err(), "nothing runs while not leading");
 
     let (s, _) = leading(1);
-    cell.set(s.clone());
+    testing::set_status(&cell, s.clone());
     assert_eq!(rx.recv().await, Some(("start", 1, None)));
     // Losing the lease: the publisher marks the cause, then publishes.
-    s.leadership()
-        .expect("leading")
-        .mark_ended(StopCause::LeaseLost);
-    cell.set(LeaderStatus::NotLeading {
-        leader: Some("other".into()),
-    });
+    testing::end_term(s.leadership().expect("leading"), StopCause::LeaseLost);
+    testing::set_status(
+        &cell,
+        LeaderStatus::NotLeading {
+            leader: Some("other".into()),
+        },
+    );
     drop(s);
     assert_eq!(
         rx.recv().await,
@@ -63,7 +64,7 @@ async fn runs_only_while_leading_and_reports_the_cause() {
     );
 
     let (s, _) = leading(2);
-    cell.set(s);
+    testing::set_status(&cell, s);
     assert_eq!(rx.recv().await, Some(("start", 2, None)));
     parent.cancel();
     assert_eq!(
@@ -149,16 +150,16 @@ async fn a_task_that_returns_is_not_rerun_until_the_next_term() {
         }
     });
     let (s, _) = leading(1);
-    cell.set(s);
+    testing::set_status(&cell, s);
     tokio::time::sleep(Duration::from_secs(60)).await;
     assert_eq!(
         starts.load(Ordering::SeqCst),
         1,
         "not re-run within the term"
     );
-    cell.set(LeaderStatus::NotLeading { leader: None });
+    testing::set_status(&cell, LeaderStatus::NotLeading { leader: None });
     let (s, _) = leading(2);
-    cell.set(s);
+    testing::set_status(&cell, s);
     tokio::time::sleep(Duration::from_millis(10)).await;
     assert_eq!(
         starts.load(Ordering::SeqCst),
@@ -184,11 +185,11 @@ async fn the_term_guard_is_held_until_the_task_returns() {
         }
     });
     let (s, mut all_dropped) = leading(1);
-    cell.set(s.clone());
+    testing::set_status(&cell, s.clone());
     drop(s);
     tokio::time::sleep(Duration::from_millis(10)).await;
     let ended = tokio::time::Instant::now();
-    cell.set(LeaderStatus::NotLeading { leader: None });
+    testing::set_status(&cell, LeaderStatus::NotLeading { leader: None });
     (&mut all_dropped).await.expect("guard released");
     assert!(
         ended.elapsed() >= Duration::from_secs(5),

@@ -122,7 +122,11 @@ async fn scenario(faults: Vec<Fault>) {
                 if matches!(f, Fault::Crash(_)) {
                     nodes[i].handle.faults().set_partitioned(true);
                 }
-                nodes[i].elector.shutdown().await;
+                nodes[i]
+                    .elector
+                    .shutdown()
+                    .await
+                    .expect("the elector shuts down cleanly");
                 gen_ += 1;
                 nodes[i] = start(&shared, &key, format!("n{i}-g{gen_}"), &log);
             }
@@ -144,7 +148,10 @@ async fn scenario(faults: Vec<Fault>) {
         healed.elapsed()
     );
     for n in &nodes {
-        n.elector.shutdown().await;
+        n.elector
+            .shutdown()
+            .await
+            .expect("the elector shuts down cleanly");
     }
     check_no_overlap(&log);
 }

@@ -289,7 +289,9 @@ impl ControllerCounter {
     /// # Cancel safety
     /// Cancel safe: the shutdown goes ahead in the background if this future is dropped.
     pub async fn stop(&self) {
-        self.elector.shutdown().await;
+        if let Err(e) = self.elector.shutdown().await {
+            tracing::error!(error = %e, "the controller lease's elector failed");
+        }
         self.cancel.cancel();
         let task = self.task.lock().unwrap_or_else(|e| e.into_inner()).take();
         if let Some(task) = task

@@ -10,7 +10,9 @@ use tokio::sync::watch;
 use super::callbacks::{CallbackDriver, LeaseCallback};
 use crate::elector::{Elector, ElectorConfig};
 use crate::error::Result;
-use crate::status::{LeaderStatus, Leadership, StatusCell, StatusChanged, StatusSource, StopCause};
+use crate::status::{
+    LeaderStatus, Leadership, StatusCell, StatusChanged, StatusSource, StopCause, Validity,
+};
 use crate::store::DynLeaseStore;
 
 /// What a controller component gets to find out whether it leads: k0s's
@@ -123,13 +125,16 @@ impl LeaderLease {
 
     /// Stops in order: ends leadership (leader tasks are cancelled with
     /// [`StopCause::SteppedDown`] and the lost-lease callbacks run), releases the lease once they
-    /// have finished (bounded by the lease's validity), then stops the callback adapter. Calling
-    /// it again returns at once.
+    /// have finished (the lease is renewed meanwhile, up to the drain timeout), then stops the
+    /// callback adapter. Calling it again returns at once. A failure of the elector's task is
+    /// logged.
     ///
     /// # Cancel safety
     /// Cancel safe: the shutdown goes ahead in the background if this future is dropped.
     pub async fn stop(&self) {
-        self.elector.shutdown().await;
+        if let Err(e) = self.elector.shutdown().await {
+            tracing::error!(error = %e, "the leader lease's elector failed");
+        }
         self.callbacks.stop().await;
     }
 }
@@ -179,7 +184,7 @@ impl AlwaysLeading {
     /// # Panics
     /// When called outside a Tokio runtime.
     pub fn new() -> Self {
-        let (leadership, _released) = Leadership::new(0);
+        let (leadership, _released) = Leadership::new_term(0, Validity::UntilEnded);
         let cell = StatusCell::new(LeaderStatus::Leading(leadership.clone()));
         let callbacks = CallbackDriver::spawn(cell.clone());
         AlwaysLeading {

@@ -119,7 +119,7 @@ async fn three_member_cluster_failover_quorum_loss_and_recovery() {
     }
 
     for e in &es {
-        e.shutdown().await;
+        e.shutdown().await.expect("the elector shuts down cleanly");
     }
     let report = sampler.finish().await;
     eprintln!(

@@ -63,7 +63,7 @@ async fn corrupt_data_is_taken_over_only_after_a_whole_lease() {
     let now = store.get(&key).await.unwrap().unwrap();
     assert_eq!(now.record.holder_identity, "replacer");
     assert!(revision(&now.version).unwrap() > garbage_rev);
-    e.shutdown().await;
+    e.shutdown().await.expect("the elector shuts down cleanly");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -92,7 +92,7 @@ async fn acquisition_revision_is_the_acquiring_write_and_increases() {
 
     // Hand over to b (same store instance, so it sees b's acquisition too).
     let b = spawn(&store, &key, "b");
-    a.shutdown().await;
+    a.shutdown().await.expect("the elector shuts down cleanly");
     assert!(wait_for(LIMIT, || b.is_leading()).await.is_some());
     let token_b = b.current_status().0.leadership().unwrap().fencing_token();
     assert!(token_b > token_a);
@@ -104,5 +104,5 @@ async fn acquisition_revision_is_the_acquiring_write_and_increases() {
         (rec.holder_identity.as_str(), rec.transitions),
         ("b", token_b)
     );
-    b.shutdown().await;
+    b.shutdown().await.expect("the elector shuts down cleanly");
 }

@@ -221,5 +221,5 @@ async fn an_elector_takes_over_corrupt_data_that_stays_unchanged() {
     );
     let got = s.get(&k).await.unwrap().unwrap();
     assert_eq!(got.record.holder_identity, "taker");
-    e.shutdown().await;
+    e.shutdown().await.expect("the elector shuts down cleanly");
 }

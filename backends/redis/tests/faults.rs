@@ -239,8 +239,8 @@ async fn leader_steps_down_when_the_server_dies_and_an_elector_leads_after_resta
 
     srv.restart();
     any_leads(&[&a, &b]).await;
-    a.shutdown().await;
-    b.shutdown().await;
+    a.shutdown().await.expect("the elector shuts down cleanly");
+    b.shutdown().await.expect("the elector shuts down cleanly");
 }
 
 #[tokio::test]
@@ -259,6 +259,6 @@ async fn leader_steps_down_while_the_server_is_paused_and_leads_again_after_resu
 
     srv.resume();
     any_leads(&[&a, &b]).await;
-    a.shutdown().await;
-    b.shutdown().await;
+    a.shutdown().await.expect("the elector shuts down cleanly");
+    b.shutdown().await.expect("the elector shuts down cleanly");
 }

@@ -1,0 +1,1565 @@
+//! The elector's decisions as a sans-IO state machine.
+//!
+//! [`Machine`] holds every decision of an [`Elector`](crate::Elector) — when to read, acquire,
+//! renew, step down and release — and does no I/O: it never touches a store, a timer, a task or
+//! a clock. The caller feeds it inputs stamped with the current time ([`Now`]) and drains its
+//! outputs ([`Output`]): store requests to send, a watch to open or close, status changes to
+//! publish. [`Machine::poll_timeout`] says when it next needs [`Machine::handle_timeout`].
+//!
+//! The tokio driver behind [`Elector`](crate::Elector) is one such caller; the deterministic
+//! simulator in the test suite is another, and drives many machines through seeded fault
+//! schedules on a virtual clock. This is the shape of quinn-proto and str0m.
+//!
+//! # Contract for a driver
+//!
+//! - Send every [`Output::Request`] to the store and report its result with
+//!   [`Machine::handle_reply`] — by the request's `deadline` at the latest: a request still
+//!   unanswered then is reported as an error (for example [`Error::Timeout`]). At most one request
+//!   is outstanding at a time.
+//! - Open a watch on [`Output::OpenWatch`] and report the outcome with
+//!   [`Machine::handle_watch_opened`]; feed its items with [`Machine::handle_watch_item`] (`None`
+//!   when the stream ended). Drop the stream on [`Output::CloseWatch`]. Items of a watch id that
+//!   is not current are ignored.
+//! - Call [`Machine::handle_timeout`] no later than [`Machine::poll_timeout`]; calling it early or
+//!   often is harmless. Every `handle_*` call also processes whatever timers are due, so a busy
+//!   input source can never starve a deadline.
+//! - Publish the status outputs in order. After [`Output::TermEnded`], report
+//!   [`Machine::handle_tasks_drained`] once nothing works on the ended term any more.
+//! - `Now::instant` must come from a monotonic clock; `Now::wall` is only written into records.
+
+use std::collections::VecDeque;
+use std::fmt;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use tracing::{debug, info, warn};
+
+use crate::elector::ElectorConfig;
+use crate::error::Error;
+use crate::status::StopCause;
+use crate::store::{LeaseRecord, Version, Versioned, WatchEvent};
+
+/// The lease duration written on release (client-go writes 1 s).
+pub const RELEASE_LEASE_DURATION: Duration = Duration::from_secs(1);
+
+/// The longest lease duration honoured from a record: a longer one (for example
+/// `leaseDurationSeconds: 18446744073709551615` written by someone with access) is treated as
+/// this long, with a warning.
+pub const MAX_RECORD_LEASE_DURATION: Duration = Duration::from_secs(24 * 60 * 60);
+
+/// The current time, as the driver reads it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Now {
+    /// A monotonic instant: every decision is made on it.
+    pub instant: Instant,
+    /// The wall clock: only written into records (informational, as in client-go).
+    pub wall: SystemTime,
+}
+
+/// Identifies one store request.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct RequestId(pub u64);
+
+/// Identifies one watch.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct WatchId(pub u64);
+
+/// A store operation the machine asks for.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Op {
+    /// [`LeaseStore::get`](crate::LeaseStore::get); answer with [`Reply::Record`].
+    Get,
+    /// [`LeaseStore::create`](crate::LeaseStore::create); answer with [`Reply::Written`].
+    Create(LeaseRecord),
+    /// [`LeaseStore::update`](crate::LeaseStore::update); answer with [`Reply::Written`].
+    Update {
+        /// The record to write.
+        record: LeaseRecord,
+        /// The version to compare against.
+        expected: Version,
+    },
+    /// [`LeaseStore::fencing_seed`](crate::LeaseStore::fencing_seed); answer with
+    /// [`Reply::Seed`].
+    FencingSeed,
+}
+
+/// A store request to send.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Request {
+    /// Pass it back with the reply.
+    pub id: RequestId,
+    /// What to do.
+    pub op: Op,
+    /// When to give up: report an error (such as [`Error::Timeout`]) if no answer came by then.
+    pub deadline: Instant,
+}
+
+/// A store's successful answer to a [`Request`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Reply {
+    /// The answer to [`Op::Get`].
+    Record(Option<Versioned>),
+    /// The answer to [`Op::Create`] and [`Op::Update`]: the new version.
+    Written(Version),
+    /// The answer to [`Op::FencingSeed`].
+    Seed(u64),
+}
+
+/// A request from the elector's owner.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Command {
+    /// Step down in order (tasks drain, then the release), then stop.
+    Shutdown,
+    /// Step down in order and do not campaign for `duration`; answered with
+    /// [`Output::YieldDone`] carrying `id`.
+    Yield {
+        /// Echoed in [`Output::YieldDone`].
+        id: u64,
+        /// How long not to campaign, counted from when the lease is released (or from now when
+        /// it is not held).
+        duration: Duration,
+    },
+}
+
+/// What the machine asks its driver to do, in order.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Output {
+    /// Send a store request.
+    Request(Request),
+    /// Open a watch of the key after `after` (replacing any open one); give up at `deadline`.
+    OpenWatch {
+        /// Tag the outcome and the items with it.
+        id: WatchId,
+        /// Watch changes after this version (`None`: from the current state).
+        after: Option<Version>,
+        /// Report a failure if the watch is not open by then.
+        deadline: Instant,
+    },
+    /// Drop the open watch, if any.
+    CloseWatch,
+    /// A new term began: this elector leads, with this fencing token, and may act on it until
+    /// `valid_until` unless a later [`Output::Renewed`] moves that.
+    Leading {
+        /// The term's fencing token.
+        fencing_token: u64,
+        /// The term is valid until then (monotonic).
+        valid_until: Instant,
+    },
+    /// A renewal was confirmed: the current term (even a draining one) is valid until then.
+    Renewed {
+        /// The new end of validity.
+        valid_until: Instant,
+    },
+    /// The current term ended for `cause`: cancel its tasks. While the tasks drain after a
+    /// graceful step-down the lease is still renewed, and the term stays valid until
+    /// [`Output::Revoked`].
+    TermEnded {
+        /// Why.
+        cause: StopCause,
+    },
+    /// The term's validity ends now: anything still holding it must not act on it any more.
+    Revoked,
+    /// Not leading; `leader` is the holder this elector sees, if any and not expired.
+    Following {
+        /// The current holder, if known.
+        leader: Option<String>,
+    },
+    /// A [`Command::Yield`] has been carried out.
+    YieldDone {
+        /// The command's id.
+        id: u64,
+    },
+    /// The machine has stopped; nothing more will come out of it.
+    Stopped,
+}
+
+// --- internal state ---------------------------------------------------------------------------
+
+#[derive(Clone, Debug)]
+enum Seen {
+    Absent,
+    Record(Versioned),
+    Corrupt(Option<Version>),
+}
+
+impl Seen {
+    fn version(&self) -> Option<&Version> {
+        match self {
+            Seen::Absent => None,
+            Seen::Record(v) => Some(&v.version),
+            Seen::Corrupt(v) => v.as_ref(),
+        }
+    }
+}
+
+#[derive(Clone, Debug)]
+struct Observed {
+    seen: Seen,
+    /// When this version was first observed (monotonic). Re-reading an unchanged version keeps
+    /// it, so polling and re-established watches never postpone expiry.
+    at: Instant,
+}
+
+/// A term this instance began: how its own records are recognised.
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct Mine {
+    token: u64,
+    acquire_time: Option<SystemTime>,
+}
+
+impl Mine {
+    fn owns(&self, identity: &str, r: &LeaseRecord) -> bool {
+        r.holder_identity == identity
+            && r.transitions == self.token
+            && r.acquire_time == self.acquire_time
+    }
+}
+
+#[derive(Clone, Debug)]
+struct Attempt {
+    sent: Instant,
+    renew_time: Option<SystemTime>,
+}
+
+#[derive(Debug)]
+struct Term {
+    mine: Mine,
+    record: LeaseRecord,
+    version: Version,
+    /// When the last confirmed write of this term was sent.
+    sent: Instant,
+    /// Renewals sent since the last confirmed one (a landed one is recognised by its renew time).
+    attempts: Vec<Attempt>,
+    next_renew: Instant,
+    failures: u32,
+}
+
+#[derive(Debug)]
+enum Then {
+    Stop { yields: Vec<u64> },
+    Yield { ids: Vec<u64>, duration: Duration },
+}
+
+impl Then {
+    fn stop(&mut self) {
+        let ids = match self {
+            Then::Stop { .. } => return,
+            Then::Yield { ids, .. } => std::mem::take(ids),
+        };
+        *self = Then::Stop { yields: ids };
+    }
+
+    fn add_yield(&mut self, id: u64, d: Duration) {
+        match self {
+            Then::Stop { yields } => yields.push(id),
+            Then::Yield { ids, duration } => {
+                ids.push(id);
+                *duration = d;
+            }
+        }
+    }
+}
+
+#[derive(Debug)]
+enum Mode {
+    Following,
+    Leading(Term),
+    /// Stepped down on purpose; still renewing while the term's tasks drain.
+    Draining {
+        term: Term,
+        until: Instant,
+        then: Then,
+    },
+    /// Tasks drained: writing the release.
+    Releasing {
+        term: Term,
+        then: Then,
+        tries: u32,
+    },
+    Stopped,
+}
+
+#[derive(Debug)]
+enum Purpose {
+    Read,
+    Seed {
+        replace: Option<Version>,
+    },
+    Acquire {
+        record: LeaseRecord,
+    },
+    Renew {
+        attempt: Attempt,
+        record: LeaseRecord,
+    },
+    Release {
+        record: LeaseRecord,
+    },
+}
+
+#[derive(Debug)]
+struct InFlight {
+    id: RequestId,
+    sent: Instant,
+    purpose: Purpose,
+}
+
+#[derive(Debug)]
+enum WatchState {
+    Closed { retry_at: Option<Instant> },
+    Opening(WatchId),
+    Open(WatchId),
+}
+
+#[derive(Debug, Clone, Copy)]
+enum YieldUntil {
+    At(Instant),
+    Forever,
+}
+
+/// The elector state machine. See the [module docs](self).
+pub struct Machine {
+    cfg: ElectorConfig,
+    can_watch: bool,
+    rng: u64,
+    mode: Mode,
+    observed: Option<Observed>,
+    known_max: Option<u64>,
+    mine: Option<Mine>,
+    /// An acquire whose outcome is unknown (it failed or timed out): recognised if a read shows it.
+    pending_acquire: Option<(LeaseRecord, Instant)>,
+    inflight: Option<InFlight>,
+    next_id: u64,
+    watch: WatchState,
+    watch_failures: u32,
+    need_read: bool,
+    poll_at: Option<Instant>,
+    read_not_before: Option<Instant>,
+    acquire_not_before: Option<Instant>,
+    yield_until: Option<YieldUntil>,
+    deferred_yields: Vec<(u64, Duration)>,
+    stop_requested: bool,
+    out: VecDeque<Output>,
+    published_leader: Option<Option<String>>,
+    last_wall: Option<SystemTime>,
+    last_now: Option<Instant>,
+    seed_warned: bool,
+}
+
+impl fmt::Debug for Machine {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Machine")
+            .field("key", &self.cfg.key)
+            .field("identity", &self.cfg.identity)
+            .field("mode", &self.mode_name())
+            .finish_non_exhaustive()
+    }
+}
+
+fn micros(t: SystemTime) -> SystemTime {
+    match t.duration_since(UNIX_EPOCH) {
+        Ok(d) => UNIX_EPOCH + Duration::from_micros(u64::try_from(d.as_micros()).unwrap_or(0)),
+        Err(_) => UNIX_EPOCH,
+    }
+}
+
+fn min_opt(a: Option<Instant>, b: Option<Instant>) -> Option<Instant> {
+    match (a, b) {
+        (Some(a), Some(b)) => Some(a.min(b)),
+        (a, None) => a,
+        (None, b) => b,
+    }
+}
+
+/// `t + d`, or `None` when that is not representable (treated as "never").
+fn later(t: Instant, d: Duration) -> Option<Instant> {
+    t.checked_add(d)
+}
+
+// === impl Machine ===
+
+impl Machine {
+    /// A machine for `config` (validated), campaigning from `now`. `can_watch` is the store's
+    /// [`Capabilities::watch`](crate::Capabilities); `seed` seeds the jitter (use a random one;
+    /// a simulator passes its own to replay a schedule exactly).
+    ///
+    /// # Errors
+    /// [`Error::InvalidConfig`] when the configuration is invalid.
+    pub fn new(config: ElectorConfig, can_watch: bool, seed: u64, now: Now) -> Result<Self, Error> {
+        config.validate()?;
+        let mut m = Machine {
+            cfg: config,
+            can_watch,
+            rng: seed ^ 0x9E37_79B9_7F4A_7C15,
+            mode: Mode::Following,
+            observed: None,
+            known_max: None,
+            mine: None,
+            pending_acquire: None,
+            inflight: None,
+            next_id: 0,
+            watch: WatchState::Closed { retry_at: None },
+            watch_failures: 0,
+            need_read: true,
+            poll_at: None,
+            read_not_before: None,
+            acquire_not_before: None,
+            yield_until: None,
+            deferred_yields: Vec::new(),
+            stop_requested: false,
+            out: VecDeque::new(),
+            published_leader: None,
+            last_wall: None,
+            last_now: None,
+            seed_warned: false,
+        };
+        m.step(now);
+        Ok(m)
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &ElectorConfig {
+        &self.cfg
+    }
+
+    /// The next output, if any.
+    pub fn poll_output(&mut self) -> Option<Output> {
+        self.out.pop_front()
+    }
+
+    /// When [`handle_timeout`](Self::handle_timeout) must be called next (`None`: only inputs
+    /// can change anything).
+    pub fn poll_timeout(&self) -> Option<Instant> {
+        let now = self.last_now?;
+        let mut t: Option<Instant> = None;
+        let mut add = |x: Option<Instant>| {
+            if let Some(x) = x.filter(|x| *x > now) {
+                t = min_opt(t, Some(x));
+            }
+        };
+        if let WatchState::Closed { retry_at } = self.watch
+            && self.can_watch
+            && !matches!(self.mode, Mode::Stopped)
+        {
+            add(retry_at);
+        }
+        match &self.mode {
+            Mode::Stopped => return None,
+            Mode::Leading(term) => {
+                add(self.valid_until(term));
+                if self.inflight.is_none() {
+                    add(Some(term.next_renew));
+                }
+            }
+            Mode::Draining { term, until, .. } => {
+                add(self.valid_until(term));
+                add(Some(*until));
+                if self.inflight.is_none() {
+                    add(Some(term.next_renew));
+                }
+            }
+            Mode::Releasing { .. } => {}
+            Mode::Following => {
+                add(self.read_not_before);
+                add(self.acquire_not_before);
+                if !matches!(self.watch, WatchState::Open(_)) {
+                    add(self.poll_at);
+                }
+                if let Some(YieldUntil::At(y)) = self.yield_until {
+                    add(Some(y));
+                }
+                if let Some(obs) = &self.observed {
+                    add(self.expiry(obs));
+                    // The published leader turns to "none" at expiry.
+                }
+            }
+        }
+        t
+    }
+
+    /// Whether the machine has stopped.
+    pub fn is_stopped(&self) -> bool {
+        matches!(self.mode, Mode::Stopped)
+    }
+
+    /// Whether the machine currently holds a term (leading, or draining after a step-down).
+    pub fn holds_term(&self) -> bool {
+        matches!(
+            self.mode,
+            Mode::Leading(_) | Mode::Draining { .. } | Mode::Releasing { .. }
+        )
+    }
+
+    /// Processes timers due at `now`.
+    pub fn handle_timeout(&mut self, now: Now) {
+        self.step(now);
+    }
+
+    /// A command from the elector's owner.
+    pub fn handle_command(&mut self, now: Now, cmd: Command) {
+        self.tick(now);
+        match cmd {
+            Command::Shutdown => {
+                info!("shutdown requested");
+                self.stop_requested = true;
+                match &mut self.mode {
+                    Mode::Leading(_) => {
+                        self.step_down_gracefully(now, Then::Stop { yields: Vec::new() })
+                    }
+                    Mode::Draining { then, .. } | Mode::Releasing { then, .. } => then.stop(),
+                    Mode::Following | Mode::Stopped => {}
+                }
+            }
+            Command::Yield { id, duration } => match &mut self.mode {
+                Mode::Leading(_) => {
+                    info!(?duration, "yielding the lease");
+                    self.step_down_gracefully(
+                        now,
+                        Then::Yield {
+                            ids: vec![id],
+                            duration,
+                        },
+                    );
+                }
+                Mode::Draining { then, .. } | Mode::Releasing { then, .. } => {
+                    then.add_yield(id, duration)
+                }
+                Mode::Following => self.deferred_yields.push((id, duration)),
+                Mode::Stopped => self.out.push_back(Output::YieldDone { id }),
+            },
+        }
+        self.step(now);
+    }
+
+    /// Every task of the ended term has finished (its leadership guards are dropped).
+    pub fn handle_tasks_drained(&mut self, now: Now) {
+        self.tick(now);
+        if let Mode::Draining { .. } = self.mode {
+            info!("leader tasks finished; releasing the lease");
+            self.begin_release();
+        }
+        self.step(now);
+    }
+
+    /// The answer to request `id`.
+    pub fn handle_reply(&mut self, now: Now, id: RequestId, result: Result<Reply, Error>) {
+        self.tick(now);
+        let Some(inflight) = self.inflight.take_if(|f| f.id == id) else {
+            debug!(
+                ?id,
+                "ignoring the reply to a request that is no longer current"
+            );
+            self.step(now);
+            return;
+        };
+        let InFlight { sent, purpose, .. } = inflight;
+        match purpose {
+            Purpose::Read => self.on_read(now, result),
+            Purpose::Seed { replace } => self.on_seed(now, replace, result),
+            Purpose::Acquire { record } => self.on_acquire(now, sent, record, result),
+            Purpose::Renew { attempt, record } => self.on_renew(now, attempt, record, result),
+            Purpose::Release { record } => self.on_release(now, record, result),
+        }
+        self.step(now);
+    }
+
+    /// The outcome of opening watch `id`.
+    pub fn handle_watch_opened(&mut self, now: Now, id: WatchId, result: Result<(), Error>) {
+        self.tick(now);
+        match (&self.watch, result) {
+            (WatchState::Opening(cur), Ok(())) if *cur == id => {
+                debug!("watching the lease");
+                self.watch = WatchState::Open(id);
+            }
+            (WatchState::Opening(cur), Err(e)) if *cur == id => {
+                warn!(error = %e, "cannot watch the lease; polling meanwhile");
+                self.watch_broke(now);
+            }
+            (_, Ok(())) => self.out.push_back(Output::CloseWatch),
+            (_, Err(_)) => {}
+        }
+        self.step(now);
+    }
+
+    /// An item of watch `id`; `None` when the stream ended.
+    pub fn handle_watch_item(
+        &mut self,
+        now: Now,
+        id: WatchId,
+        item: Option<Result<WatchEvent, Error>>,
+    ) {
+        self.tick(now);
+        if !matches!(self.watch, WatchState::Open(cur) if cur == id) {
+            self.step(now);
+            return;
+        }
+        match item {
+            Some(Ok(ev)) => {
+                self.watch_failures = 0;
+                let seen = match ev {
+                    WatchEvent::Put(v) => Seen::Record(v),
+                    WatchEvent::Deleted => Seen::Absent,
+                    WatchEvent::Corrupt { reason, version } => {
+                        warn!(
+                            reason,
+                            "the lease key now holds data that is not a lease record"
+                        );
+                        Seen::Corrupt(version)
+                    }
+                };
+                self.on_seen(now, seen);
+            }
+            Some(Err(e)) => {
+                warn!(error = %e, "lease watch failed; watching again after a backoff");
+                self.out.push_back(Output::CloseWatch);
+                self.watch_broke(now);
+            }
+            None => {
+                debug!("lease watch ended; watching again after a backoff");
+                self.out.push_back(Output::CloseWatch);
+                self.watch_broke(now);
+            }
+        }
+        self.step(now);
+    }
+
+    // --- helpers ------------------------------------------------------------------------------
+
+    fn mode_name(&self) -> &'static str {
+        match self.mode {
+            Mode::Following => "following",
+            Mode::Leading(_) => "leading",
+            Mode::Draining { .. } => "draining",
+            Mode::Releasing { .. } => "releasing",
+            Mode::Stopped => "stopped",
+        }
+    }
+
+    fn tick(&mut self, now: Now) {
+        self.last_now = Some(self.last_now.map_or(now.instant, |t| t.max(now.instant)));
+    }
+
+    fn rand(&mut self) -> f64 {
+        // splitmix64: deterministic for a seed, good enough for jitter.
+        self.rng = self.rng.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.rng;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^= z >> 31;
+        (z >> 11) as f64 / (1u64 << 53) as f64
+    }
+
+    /// `d` jittered by client-go's factor 1.2: uniformly in `[d, 2.2 × d)`.
+    fn jittered(&mut self, d: Duration) -> Duration {
+        let r = self.rand();
+        d + d.mul_f64(1.2 * r)
+    }
+
+    fn next_id(&mut self) -> RequestId {
+        self.next_id += 1;
+        RequestId(self.next_id)
+    }
+
+    fn send(&mut self, now: Now, op: Op, purpose: Purpose, deadline: Instant) {
+        let id = self.next_id();
+        self.inflight = Some(InFlight {
+            id,
+            sent: now.instant,
+            purpose,
+        });
+        self.out
+            .push_back(Output::Request(Request { id, op, deadline }));
+    }
+
+    fn request_deadline(&self, now: Now) -> Instant {
+        later(now.instant, self.cfg.renew_deadline).unwrap_or(now.instant)
+    }
+
+    fn valid_until(&self, term: &Term) -> Option<Instant> {
+        later(term.sent, self.cfg.renew_deadline)
+    }
+
+    /// A wall time for a record: microsecond precision (what every store keeps), strictly after
+    /// the previous one this machine wrote, so a landed write is recognised by its renew time.
+    fn stamp(&mut self, wall: SystemTime) -> SystemTime {
+        let mut t = micros(wall);
+        if let Some(last) = self.last_wall
+            && t <= last
+        {
+            t = last + Duration::from_micros(1);
+        }
+        self.last_wall = Some(t);
+        t
+    }
+
+    fn next_token(&self, from: Option<u64>) -> u64 {
+        match from.max(self.known_max) {
+            Some(t) => {
+                if t == u64::MAX {
+                    warn!("the fencing token is at its maximum; it cannot grow any more");
+                }
+                t.saturating_add(1)
+            }
+            None => 0,
+        }
+    }
+
+    fn record_lease(&self, r: &LeaseRecord) -> Duration {
+        if r.lease_duration > MAX_RECORD_LEASE_DURATION {
+            warn!(
+                lease_duration = ?r.lease_duration,
+                "the lease record's duration is absurd; treating it as {MAX_RECORD_LEASE_DURATION:?}"
+            );
+            MAX_RECORD_LEASE_DURATION
+        } else {
+            r.lease_duration
+        }
+    }
+
+    /// When the observed state can be taken over: `None` = now.
+    fn expiry(&self, obs: &Observed) -> Option<Instant> {
+        match &obs.seen {
+            Seen::Absent => None,
+            Seen::Record(v) if v.record.is_vacant() => None,
+            Seen::Record(v)
+                if self
+                    .mine
+                    .as_ref()
+                    .is_some_and(|m| m.owns(&self.cfg.identity, &v.record)) =>
+            {
+                None
+            }
+            Seen::Record(v) => later(obs.at, self.record_lease(&v.record)),
+            Seen::Corrupt(_) => later(obs.at, self.cfg.lease_duration),
+        }
+    }
+
+    fn observe(&mut self, now: Now, seen: Seen) {
+        if let Seen::Record(v) = &seen {
+            self.known_max = self.known_max.max(Some(v.record.transitions));
+        }
+        let same = match (&self.observed, &seen) {
+            (Some(o), s) => match (&o.seen, s) {
+                (Seen::Absent, Seen::Absent) => true,
+                (Seen::Record(a), Seen::Record(b)) => a.version == b.version,
+                (Seen::Corrupt(Some(a)), Seen::Corrupt(Some(b))) => a == b,
+                _ => false,
+            },
+            (None, _) => false,
+        };
+        if !same {
+            if let Seen::Record(v) = &seen {
+                debug!(holder = %v.record.holder_identity, version = %v.version, "observed a change");
+            }
+            self.observed = Some(Observed {
+                seen,
+                at: now.instant,
+            });
+        } else if let (Some(o), Seen::Record(v)) = (&mut self.observed, seen) {
+            // Same version: keep the first observation time, take the (identical) content.
+            o.seen = Seen::Record(v);
+        }
+    }
+
+    fn watch_broke(&mut self, now: Now) {
+        let base = self.cfg.retry_period / 4;
+        let exp = base.saturating_mul(1u32 << self.watch_failures.min(5));
+        let cap = self.cfg.retry_period.saturating_mul(4);
+        let d = self.jittered(exp.min(cap));
+        self.watch_failures = self.watch_failures.saturating_add(1);
+        self.watch = WatchState::Closed {
+            retry_at: later(now.instant, d),
+        };
+        if matches!(self.mode, Mode::Following) {
+            // Changes may have been missed: read (polling continues until the watch is back).
+            self.need_read = true;
+        }
+    }
+
+    // --- the step function ----------------------------------------------------------------------
+
+    fn step(&mut self, now: Now) {
+        self.tick(now);
+        // Bounded: each pass either changes mode or stops.
+        for _ in 0..8 {
+            let before = self.mode_name();
+            match self.mode {
+                Mode::Stopped => return,
+                Mode::Leading(_) | Mode::Draining { .. } => self.lead_step(now),
+                Mode::Releasing { .. } => self.release_step(now),
+                Mode::Following => self.follow_step(now),
+            }
+            if self.mode_name() == before {
+                break;
+            }
+        }
+        self.manage_watch(now);
+    }
+
+    fn manage_watch(&mut self, now: Now) {
+        if !self.can_watch {
+            return;
+        }
+        let WatchState::Closed { retry_at } = self.watch else {
+            return;
+        };
+        if retry_at.is_some_and(|t| now.instant < t) {
+            return;
+        }
+        let after = match &self.mode {
+            Mode::Stopped => return,
+            Mode::Leading(t) | Mode::Draining { term: t, .. } | Mode::Releasing { term: t, .. } => {
+                Some(t.version.clone())
+            }
+            Mode::Following => match &self.observed {
+                None => return,
+                Some(o) => o.seen.version().cloned(),
+            },
+        };
+        self.next_id += 1;
+        let id = WatchId(self.next_id);
+        self.watch = WatchState::Opening(id);
+        let deadline = self.request_deadline(now);
+        self.out.push_back(Output::OpenWatch {
+            id,
+            after,
+            deadline,
+        });
+    }
+
+    fn follow_step(&mut self, now: Now) {
+        if self.inflight.is_some() {
+            self.publish_follower(now);
+            return;
+        }
+        for (id, d) in std::mem::take(&mut self.deferred_yields) {
+            self.yield_until = Some(match later(now.instant, d) {
+                Some(t) => YieldUntil::At(t),
+                None => YieldUntil::Forever,
+            });
+            info!(duration = ?d, "yielding: not campaigning");
+            self.out.push_back(Output::YieldDone { id });
+        }
+        if self.stop_requested {
+            self.stop();
+            return;
+        }
+        if let Some(YieldUntil::At(t)) = self.yield_until
+            && now.instant >= t
+        {
+            self.yield_until = None;
+        }
+        // Polling (no watch open): re-read every jittered retry period.
+        if !matches!(self.watch, WatchState::Open(_)) {
+            match self.poll_at {
+                Some(t) if now.instant >= t => self.need_read = true,
+                Some(_) => {}
+                None => {
+                    let d = self.jittered(self.cfg.retry_period);
+                    self.poll_at = later(now.instant, d);
+                }
+            }
+        }
+        if self.need_read || self.observed.is_none() {
+            if self.read_not_before.is_none_or(|t| now.instant >= t) {
+                self.read_not_before = None;
+                let deadline = self.request_deadline(now);
+                self.send(now, Op::Get, Purpose::Read, deadline);
+            }
+            self.publish_follower(now);
+            return;
+        }
+        self.publish_follower(now);
+        if self.yield_until.is_some() {
+            return;
+        }
+        if self.acquire_not_before.is_some_and(|t| now.instant < t) {
+            return;
+        }
+        let Some(obs) = self.observed.clone() else {
+            return;
+        };
+        if self.expiry(&obs).is_some_and(|t| now.instant < t) {
+            return;
+        }
+        self.acquire_not_before = None;
+        match obs.seen {
+            Seen::Absent => {
+                let deadline = self.request_deadline(now);
+                self.send(
+                    now,
+                    Op::FencingSeed,
+                    Purpose::Seed { replace: None },
+                    deadline,
+                );
+            }
+            Seen::Corrupt(Some(v)) => {
+                warn!(
+                    "replacing data that is not a lease record and stayed unchanged for a lease duration"
+                );
+                let deadline = self.request_deadline(now);
+                self.send(
+                    now,
+                    Op::FencingSeed,
+                    Purpose::Seed { replace: Some(v) },
+                    deadline,
+                );
+            }
+            Seen::Corrupt(None) => {
+                warn!(
+                    "the lease key holds unreadable data and the store gives no version to replace it by compare-and-swap; delete it by hand"
+                );
+                let d = self.jittered(self.cfg.retry_period);
+                self.acquire_not_before = later(now.instant, d);
+            }
+            Seen::Record(v) => {
+                if !v.record.is_vacant() {
+                    info!(holder = %v.record.holder_identity, "the lease expired; trying to acquire it");
+                }
+                let token = self.next_token(Some(v.record.transitions));
+                self.acquire(now, token, Some(v.version));
+            }
+        }
+    }
+
+    fn acquire(&mut self, now: Now, token: u64, expected: Option<Version>) {
+        let t = self.stamp(now.wall);
+        let record = LeaseRecord {
+            holder_identity: self.cfg.identity.clone(),
+            lease_duration: self.cfg.lease_duration,
+            acquire_time: Some(t),
+            renew_time: Some(t),
+            transitions: token,
+        };
+        let op = match expected {
+            None => Op::Create(record.clone()),
+            Some(expected) => Op::Update {
+                record: record.clone(),
+                expected,
+            },
+        };
+        // The write is worth something only while the term it starts would be valid.
+        let deadline = self.request_deadline(now);
+        self.send(now, op, Purpose::Acquire { record }, deadline);
+    }
+
+    fn publish_follower(&mut self, now: Now) {
+        let leader = match &self.observed {
+            Some(obs) => match (&obs.seen, self.expiry(obs)) {
+                (Seen::Record(v), Some(t))
+                    if now.instant < t && v.record.holder_identity != self.cfg.identity =>
+                {
+                    Some(v.record.holder_identity.clone())
+                }
+                _ => None,
+            },
+            None => None,
+        };
+        if self.published_leader.as_ref() != Some(&leader) {
+            info!(leader = ?leader, "following");
+            self.published_leader = Some(leader.clone());
+            self.out.push_back(Output::Following { leader });
+        }
+    }
+
+    fn stop(&mut self) {
+        if !matches!(self.watch, WatchState::Closed { .. }) {
+            self.out.push_back(Output::CloseWatch);
+        }
+        self.watch = WatchState::Closed { retry_at: None };
+        if self.published_leader != Some(None) {
+            self.published_leader = Some(None);
+            self.out.push_back(Output::Following { leader: None });
+        }
+        self.mode = Mode::Stopped;
+        info!("elector stopped");
+        self.out.push_back(Output::Stopped);
+    }
+
+    // --- leading ------------------------------------------------------------------------------
+
+    fn term_mut(&mut self) -> Option<&mut Term> {
+        match &mut self.mode {
+            Mode::Leading(t) | Mode::Draining { term: t, .. } | Mode::Releasing { term: t, .. } => {
+                Some(t)
+            }
+            _ => None,
+        }
+    }
+
+    fn lead_step(&mut self, now: Now) {
+        let rd = self.cfg.renew_deadline;
+        let retry = self.cfg.retry_period;
+        let identity = self.cfg.identity.clone();
+        let (valid_until, draining_until) = match &self.mode {
+            Mode::Leading(t) => (later(t.sent, rd), None),
+            Mode::Draining { term, until, .. } => (later(term.sent, rd), Some(*until)),
+            _ => return,
+        };
+        if valid_until.is_none_or(|v| now.instant >= v) {
+            warn!(renew_deadline = ?rd, "lease lost: no successful renewal within the renew deadline; stepping down");
+            self.lose(now, None);
+            return;
+        }
+        if draining_until.is_some_and(|u| now.instant >= u) {
+            warn!(
+                drain_timeout = ?self.cfg.drain_timeout,
+                "leader tasks still run after the drain timeout: the term is revoked and the lease is left to expire instead of being released"
+            );
+            self.out.push_back(Output::Revoked);
+            let Mode::Draining { then, .. } = std::mem::replace(&mut self.mode, Mode::Following)
+            else {
+                return;
+            };
+            self.finish(now, then);
+            return;
+        }
+        if self.inflight.is_some() {
+            return;
+        }
+        let Some(term) = self.term_mut() else { return };
+        if now.instant < term.next_renew {
+            return;
+        }
+        let record = term.record.clone();
+        let expected = term.version.clone();
+        let t = self.stamp(now.wall);
+        let record = LeaseRecord {
+            renew_time: Some(t),
+            holder_identity: identity,
+            ..record
+        };
+        let attempt = Attempt {
+            sent: now.instant,
+            renew_time: record.renew_time,
+        };
+        let Some(term) = self.term_mut() else { return };
+        term.attempts.push(attempt.clone());
+        // Retry soon if this fails; a success moves it to sent + retry_period.
+        let backoff = (retry / 8)
+            .saturating_mul(1u32 << term.failures.min(3))
+            .min(retry);
+        term.next_renew = later(now.instant, backoff).unwrap_or(now.instant);
+        let deadline = valid_until.unwrap_or(now.instant);
+        self.send(
+            now,
+            Op::Update {
+                record: record.clone(),
+                expected,
+            },
+            Purpose::Renew { attempt, record },
+            deadline,
+        );
+    }
+
+    /// Whether `r` is a record of the current term.
+    fn is_current_term(&self, r: &LeaseRecord) -> bool {
+        match &self.mode {
+            Mode::Leading(t) | Mode::Draining { term: t, .. } | Mode::Releasing { term: t, .. } => {
+                t.mine.owns(&self.cfg.identity, r)
+            }
+            _ => false,
+        }
+    }
+
+    /// A record of the current term at version `v` was seen: adopt the version, and if it is one
+    /// of our renewals, confirm it (validity counts from when that renewal was sent).
+    fn adopt(&mut self, v: Versioned) {
+        let rd = self.cfg.renew_deadline;
+        let retry = self.cfg.retry_period;
+        let Some(term) = self.term_mut() else { return };
+        if v.version == term.version {
+            return;
+        }
+        let matched = term
+            .attempts
+            .iter()
+            .position(|a| a.renew_time == v.record.renew_time);
+        match matched {
+            Some(i) => {
+                let sent = term.attempts[i].sent;
+                term.attempts.drain(..=i);
+                term.sent = term.sent.max(sent);
+                term.failures = 0;
+                term.next_renew = later(term.sent, retry).unwrap_or(term.sent);
+                term.record = v.record;
+                term.version = v.version;
+                let valid_until = later(term.sent, rd);
+                debug!("a renewal was confirmed by reading it back");
+                if let Some(valid_until) = valid_until {
+                    self.out.push_back(Output::Renewed { valid_until });
+                }
+            }
+            None => {
+                if v.record.renew_time < term.record.renew_time {
+                    // An older write of this term delivered late (a lagging watch): stale.
+                    return;
+                }
+                // A change that is not one of our renewals but keeps our term (a label edit on a
+                // kube Lease bumps the version): adopt the version, validity unchanged.
+                debug!(version = %v.version, "adopting a version-only change of our lease");
+                term.record = v.record;
+                term.version = v.version;
+            }
+        }
+    }
+
+    fn lose(&mut self, now: Now, seen: Option<Seen>) {
+        let mode = std::mem::replace(&mut self.mode, Mode::Following);
+        let then = match mode {
+            Mode::Leading(_) => None,
+            Mode::Draining { then, .. } | Mode::Releasing { then, .. } => Some(then),
+            other => {
+                self.mode = other;
+                return;
+            }
+        };
+        if then.is_none() {
+            self.out.push_back(Output::TermEnded {
+                cause: StopCause::LeaseLost,
+            });
+        }
+        self.out.push_back(Output::Revoked);
+        if let Some(seen) = seen {
+            self.observe(now, seen);
+        }
+        if let Some(then) = then {
+            self.finish(now, then);
+        }
+    }
+
+    fn step_down_gracefully(&mut self, now: Now, then: Then) {
+        let Mode::Leading(term) = std::mem::replace(&mut self.mode, Mode::Following) else {
+            return;
+        };
+        info!(
+            "stepping down; leader tasks are cancelled and the lease is renewed until they finish"
+        );
+        self.out.push_back(Output::TermEnded {
+            cause: StopCause::SteppedDown,
+        });
+        self.published_leader = Some(None);
+        self.out.push_back(Output::Following { leader: None });
+        let until = later(now.instant, self.cfg.drain_timeout).unwrap_or(now.instant);
+        self.mode = Mode::Draining { term, until, then };
+    }
+
+    fn begin_release(&mut self) {
+        let Mode::Draining { term, then, .. } = std::mem::replace(&mut self.mode, Mode::Following)
+        else {
+            return;
+        };
+        // The term's validity ends before the release can land.
+        self.out.push_back(Output::Revoked);
+        self.mode = Mode::Releasing {
+            term,
+            then,
+            tries: 0,
+        };
+    }
+
+    fn release_step(&mut self, now: Now) {
+        if self.inflight.is_some() {
+            return;
+        }
+        let Mode::Releasing { term, tries, .. } = &mut self.mode else {
+            return;
+        };
+        if *tries >= 3 {
+            warn!("could not release the lease; it will expire");
+            let Mode::Releasing { then, .. } = std::mem::replace(&mut self.mode, Mode::Following)
+            else {
+                return;
+            };
+            self.finish(now, then);
+            return;
+        }
+        *tries += 1;
+        let transitions = term.record.transitions;
+        let expected = term.version.clone();
+        let t = self.stamp(now.wall);
+        let record = LeaseRecord {
+            holder_identity: String::new(),
+            lease_duration: RELEASE_LEASE_DURATION,
+            acquire_time: Some(t),
+            renew_time: Some(t),
+            transitions,
+        };
+        let deadline = self.request_deadline(now);
+        self.send(
+            now,
+            Op::Update {
+                record: record.clone(),
+                expected,
+            },
+            Purpose::Release { record },
+            deadline,
+        );
+    }
+
+    fn finish(&mut self, now: Now, then: Then) {
+        self.mode = Mode::Following;
+        match then {
+            Then::Stop { yields } => {
+                self.stop_requested = true;
+                for id in yields {
+                    self.out.push_back(Output::YieldDone { id });
+                }
+            }
+            Then::Yield { ids, duration } => {
+                self.yield_until = Some(match later(now.instant, duration) {
+                    Some(t) => YieldUntil::At(t),
+                    None => YieldUntil::Forever,
+                });
+                info!(?duration, "yielded the lease");
+                for id in ids {
+                    self.out.push_back(Output::YieldDone { id });
+                }
+            }
+        }
+    }
+
+    // --- replies ------------------------------------------------------------------------------
+
+    fn on_seen(&mut self, now: Now, seen: Seen) {
+        match &self.mode {
+            Mode::Leading(_) | Mode::Draining { .. } => match seen {
+                Seen::Record(v) if self.is_current_term(&v.record) => self.adopt(v),
+                Seen::Record(v) => {
+                    warn!(holder = %v.record.holder_identity, "lease lost: the record changed under us");
+                    self.lose(now, Some(Seen::Record(v)));
+                }
+                Seen::Absent => {
+                    warn!("lease lost: the record was deleted");
+                    self.lose(now, Some(Seen::Absent));
+                }
+                Seen::Corrupt(v) => {
+                    warn!(
+                        "lease lost: the record was overwritten with data that is not a lease record"
+                    );
+                    self.lose(now, Some(Seen::Corrupt(v)));
+                }
+            },
+            Mode::Releasing { .. } => match seen {
+                Seen::Record(v) if self.is_current_term(&v.record) => {
+                    if let Some(t) = self.term_mut() {
+                        t.version = v.version;
+                    }
+                }
+                other => self.observe(now, other),
+            },
+            Mode::Following => {
+                if let (Seen::Record(v), Some((rec, sent))) = (&seen, &self.pending_acquire) {
+                    let mine = Mine {
+                        token: rec.transitions,
+                        acquire_time: rec.acquire_time,
+                    };
+                    if mine.owns(&self.cfg.identity, &v.record) {
+                        let (rec, sent) = (rec.clone(), *sent);
+                        info!("an acquire that reported an error did land");
+                        self.pending_acquire = None;
+                        self.begin_term(now, sent, rec, v.version.clone());
+                        return;
+                    }
+                }
+                self.observe(now, seen);
+            }
+            Mode::Stopped => {}
+        }
+    }
+
+    fn on_read(&mut self, now: Now, result: Result<Reply, Error>) {
+        let seen = match result {
+            Ok(Reply::Record(Some(v))) => Seen::Record(v),
+            Ok(Reply::Record(None)) => Seen::Absent,
+            Err(Error::Corrupt {
+                version, reason, ..
+            }) => {
+                warn!(
+                    reason,
+                    "the lease key holds data that is not a lease record"
+                );
+                Seen::Corrupt(version)
+            }
+            Ok(other) => {
+                warn!(
+                    ?other,
+                    "the store answered a read with something else; retrying"
+                );
+                self.read_failed(now);
+                return;
+            }
+            Err(e) => {
+                warn!(error = %e, retryable = e.is_retryable(), "cannot read the lease; retrying");
+                self.read_failed(now);
+                return;
+            }
+        };
+        if matches!(self.mode, Mode::Following) {
+            self.need_read = false;
+            let d = self.jittered(self.cfg.retry_period);
+            self.poll_at = later(now.instant, d);
+        }
+        if let Mode::Releasing { .. } = self.mode {
+            // Reading after an ambiguous release or renewal: release again at the version that
+            // is ours, or finish when the lease is not ours any more.
+            if let Seen::Record(v) = &seen
+                && self.is_current_term(&v.record)
+            {
+                if let Some(t) = self.term_mut() {
+                    t.version = v.version.clone();
+                }
+                return;
+            }
+            self.observe(now, seen);
+            let Mode::Releasing { then, .. } = std::mem::replace(&mut self.mode, Mode::Following)
+            else {
+                return;
+            };
+            self.finish(now, then);
+            return;
+        }
+        self.on_seen(now, seen);
+        self.pending_acquire = None;
+    }
+
+    fn read_failed(&mut self, now: Now) {
+        match self.mode {
+            Mode::Following => {
+                let d = self.jittered(self.cfg.retry_period);
+                self.read_not_before = later(now.instant, d);
+                self.need_read = true;
+            }
+            Mode::Releasing { .. } => {} // release_step retries (bounded)
+            _ => {}                      // lead_step retries renewals until the deadline
+        }
+    }
+
+    fn on_seed(&mut self, now: Now, replace: Option<Version>, result: Result<Reply, Error>) {
+        if self.stop_requested || !self.deferred_yields.is_empty() {
+            return;
+        }
+        let fallback = self.next_token(None);
+        let token = match result {
+            Ok(Reply::Seed(s)) => s.max(fallback),
+            Err(Error::Unsupported { store, .. }) => {
+                if !self.seed_warned {
+                    self.seed_warned = true;
+                    warn!(
+                        store,
+                        "the store offers no fencing seed: a fresh record starts one above the highest token this elector has seen, so tokens can repeat after the record is lost"
+                    );
+                }
+                fallback
+            }
+            Ok(other) => {
+                warn!(
+                    ?other,
+                    "the store answered a fencing-seed request with something else"
+                );
+                self.acquire_failed(now);
+                return;
+            }
+            Err(e) => {
+                warn!(error = %e, "cannot get a fencing seed; retrying");
+                self.acquire_failed(now);
+                return;
+            }
+        };
+        self.acquire(now, token, replace);
+    }
+
+    fn acquire_failed(&mut self, now: Now) {
+        self.need_read = true;
+        let d = self.jittered(self.cfg.retry_period);
+        self.acquire_not_before = later(now.instant, d);
+    }
+
+    fn on_acquire(
+        &mut self,
+        now: Now,
+        sent: Instant,
+        record: LeaseRecord,
+        result: Result<Reply, Error>,
+    ) {
+        match result {
+            Ok(Reply::Written(version)) => self.begin_term(now, sent, record, version),
+            Ok(other) => {
+                warn!(?other, "the store answered a write with something else");
+                self.acquire_failed(now);
+            }
+            Err(e) => {
+                match &e {
+                    Error::Conflict { .. }
+                    | Error::AlreadyExists { .. }
+                    | Error::NotFound { .. } => {
+                        debug!(error = %e, "lost the race to acquire (or a retried write of ours landed)")
+                    }
+                    e => warn!(error = %e, "acquire failed; reading back to see whether it landed"),
+                }
+                // The write may have landed (a timeout, or a client retry that found our own
+                // write): a read tells, by holder, fencing token and acquire time.
+                self.pending_acquire = Some((record, sent));
+                self.need_read = true;
+                if !matches!(
+                    e,
+                    Error::Conflict { .. } | Error::AlreadyExists { .. } | Error::NotFound { .. }
+                ) {
+                    let d = self.jittered(self.cfg.retry_period);
+                    self.acquire_not_before = later(now.instant, d);
+                }
+            }
+        }
+    }
+
+    fn begin_term(&mut self, now: Now, sent: Instant, record: LeaseRecord, version: Version) {
+        let mine = Mine {
+            token: record.transitions,
+            acquire_time: record.acquire_time,
+        };
+        self.mine = Some(mine.clone());
+        self.known_max = self.known_max.max(Some(record.transitions));
+        self.observe(
+            now,
+            Seen::Record(Versioned {
+                record: record.clone(),
+                version: version.clone(),
+            }),
+        );
+        let retry = self.cfg.retry_period;
+        let term = Term {
+            mine,
+            record,
+            version,
+            sent,
+            attempts: Vec::new(),
+            next_renew: later(sent, retry).unwrap_or(sent),
+            failures: 0,
+        };
+        let valid_until = later(sent, self.cfg.renew_deadline);
+        let still_valid = valid_until.is_some_and(|v| now.instant < v);
+        if self.stop_requested || !self.deferred_yields.is_empty() {
+            // Acquired while a shutdown or yield was pending: never publish it, release at once.
+            let then = if self.stop_requested {
+                Then::Stop { yields: Vec::new() }
+            } else {
+                let (ids, ds): (Vec<u64>, Vec<Duration>) =
+                    std::mem::take(&mut self.deferred_yields)
+                        .into_iter()
+                        .unzip();
+                Then::Yield {
+                    ids,
+                    duration: ds.last().copied().unwrap_or_default(),
+                }
+            };
+            self.mode = Mode::Releasing {
+                term,
+                then,
+                tries: 0,
+            };
+            return;
+        }
+        let Some(valid_until) = valid_until.filter(|_| still_valid) else {
+            warn!(
+                "the acquire landed only after its term's renew deadline; not leading on it (trying again)"
+            );
+            self.acquire_failed(now);
+            return;
+        };
+        info!(
+            fencing_token = term.record.transitions,
+            "acquired the lease; leading"
+        );
+        // Watch from the term's own version: a watch opened while following may still deliver
+        // changes from before the acquisition, which must not read as a loss.
+        if !matches!(self.watch, WatchState::Closed { .. }) {
+            self.out.push_back(Output::CloseWatch);
+        }
+        self.watch = WatchState::Closed { retry_at: None };
+        self.published_leader = None;
+        self.out.push_back(Output::Leading {
+            fencing_token: term.record.transitions,
+            valid_until,
+        });
+        self.mode = Mode::Leading(term);
+    }
+
+    fn on_renew(
+        &mut self,
+        now: Now,
+        attempt: Attempt,
+        record: LeaseRecord,
+        result: Result<Reply, Error>,
+    ) {
+        let holding = matches!(
+            self.mode,
+            Mode::Leading(_) | Mode::Draining { .. } | Mode::Releasing { .. }
+        );
+        match result {
+            Ok(Reply::Written(version)) if holding => {
+                self.adopt(Versioned { record, version });
+                if let Some(t) = self.term_mut() {
+                    t.failures = 0;
+                }
+            }
+            Ok(Reply::Written(version)) => {
+                // The renewal landed after this elector stepped down: the record is ours again.
+                self.observe(now, Seen::Record(Versioned { record, version }));
+            }
+            Ok(other) => {
+                warn!(?other, "the store answered a write with something else");
+                self.renew_failed(now);
+            }
+            Err(e) => {
+                warn!(error = %e, retryable = e.is_retryable(), "renewal failed; reading back and retrying until the renew deadline");
+                let _ = attempt;
+                self.renew_failed(now);
+            }
+        }
+    }
+
+    fn renew_failed(&mut self, now: Now) {
+        if let Some(t) = self.term_mut() {
+            t.failures = t.failures.saturating_add(1);
+        }
+        if matches!(self.mode, Mode::Following) {
+            self.need_read = true;
+            return;
+        }
+        // Either someone else wrote, or a write of ours landed (replayed, or reported as failed):
+        // read back before the next attempt.
+        let deadline = match &self.mode {
+            Mode::Leading(t) | Mode::Draining { term: t, .. } => {
+                self.valid_until(t).unwrap_or(now.instant)
+            }
+            _ => self.request_deadline(now),
+        };
+        self.send(now, Op::Get, Purpose::Read, deadline);
+    }
+
+    fn on_release(&mut self, now: Now, record: LeaseRecord, result: Result<Reply, Error>) {
+        match result {
+            Ok(Reply::Written(version)) => {
+                info!("released the lease");
+                self.observe(now, Seen::Record(Versioned { record, version }));
+                let Mode::Releasing { then, .. } =
+                    std::mem::replace(&mut self.mode, Mode::Following)
+                else {
+                    return;
+                };
+                self.finish(now, then);
+            }
+            Ok(other) => {
+                warn!(?other, "the store answered a write with something else");
+            }
+            Err(e) => {
+                warn!(error = %e, "releasing the lease failed; reading back");
+                let deadline = self.request_deadline(now);
+                self.send(now, Op::Get, Purpose::Read, deadline);
+            }
+        }
+    }
+}

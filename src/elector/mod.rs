@@ -1,0 +1,778 @@
+//! The generic [`Elector`]: all the timing of leader election, over any [`LeaseStore`](crate::LeaseStore).
+//!
+//! Every decision is made by the sans-IO state machine in [`machine`]; [`Elector`] is a thin
+//! tokio driver that turns its outputs into store calls, a watch and timers, and publishes its
+//! status. The deterministic simulator in the test suite drives the same machine through seeded
+//! fault schedules and checks the guarantees below on a virtual clock.
+//!
+//! # Guarantees
+//!
+//! Under the assumptions listed next, and checked by the simulator (`tests/simulator.rs`) and the
+//! named regression tests:
+//!
+//! 1. **At most one valid term at any instant.** A term is *valid* from the moment its elector
+//!    publishes [`LeaderStatus::Leading`] until the earlier of its step-down and
+//!    [`Leadership::valid_until`]. Validity terms of different electors never overlap.
+//! 2. **Fencing tokens strictly increase from term to term** on a key, also across deletion or
+//!    loss of the record where the store has a monotonic source (see
+//!    [`LeaseStore::fencing_seed`](crate::LeaseStore::fencing_seed) and the README's store table).
+//! 3. **Prompt takeover.** Once faults stop, some elector leads within
+//!    `lease_duration + renew_deadline + 2.2 × retry_period`, polling followers included.
+//!
+//! # Assumptions
+//!
+//! - **Bounded clock rate drift.** Each elector measures time with its own monotonic clock; their
+//!   rates may differ by a factor ρ with `(1 + ρ) × renew_deadline < (1 − ρ) × lease_duration`
+//!   (about ±20 % with the defaults). Wall clocks and record timestamps do not matter.
+//! - **No suspend of `CLOCK_MONOTONIC`.** A pause of the process (SIGSTOP, a GC or VM stall) is
+//!   fine: the monotonic clock keeps running, and [`Leadership::ensure_leading`] fails once the
+//!   term's validity passed. A system suspend that stops the monotonic clock is not.
+//! - **Fencing for side effects.** Task code that acts on a term calls
+//!   [`Leadership::ensure_leading`] (or [`LeaderContext::ensure_leading`](crate::LeaderContext::ensure_leading))
+//!   right before the side effect and passes the fencing token to systems that can check it. A
+//!   check cannot stop a process that pauses right after it; the token can.
+//! - **The store keeps its contract** ([`LeaseStore`](crate::LeaseStore)): compare-and-swap is
+//!   atomic, a watch never delivers an older state after a newer one, times are kept to the
+//!   microsecond. Replies may be slow, lost, reported as errors after the write landed, or
+//!   replayed; watches may fail or end at any time.
+//!
+//! # Behaviour
+//!
+//! - **Skew-safe expiry.** A follower takes over when the record stayed unchanged for its lease
+//!   duration, measured on its own clock from when it *first observed* that version. Re-reading
+//!   an unchanged version (polling, a re-established watch) never postpones expiry.
+//! - **Hard term deadline.** The leader's term is valid until `renew_deadline` after it *sent* its
+//!   last confirmed renewal; a timer steps it down then, whatever I/O is in flight. Every store
+//!   call is bounded by the time left.
+//! - **Watch-driven followers.** On release a follower acquires at once; on a silent holder it
+//!   tries at the exact expiry instant; in steady state a watching follower sends no requests.
+//!   Without a watch (unsupported, or failing: re-opened with jittered backoff) followers poll
+//!   every `retry_period`, jittered by client-go's factor 1.2.
+//! - **Own writes recognised.** After a write that failed or timed out, the elector reads back
+//!   and recognises a write of its own by holder, fencing token and acquire time (and which
+//!   renewal landed by its renew time; times are written at microsecond precision, which every
+//!   store keeps). A version-only change that keeps the record (a label edit on a kube Lease) is
+//!   adopted. A record this elector instance wrote in an earlier term (its renewal landed after it
+//!   stepped down, say after a store pause) is taken back at once, as a new term.
+//! - **Ordered release.** [`Elector::shutdown`] and [`Elector::yield_for`] end the term (status
+//!   changes, tasks are cancelled with [`StopCause::SteppedDown`]), **keep renewing** while every
+//!   [`Leadership`] guard is dropped (up to [`ElectorConfig::drain_timeout`]), then revoke the term
+//!   and write the release (empty holder, lease duration 1 s, as client-go). An in-flight renewal
+//!   is awaited, not abandoned, so the release goes to the right version. If tasks outlive the
+//!   drain timeout, the term is revoked and the lease is **not** released: it expires, and the next
+//!   leader starts only after that.
+//! - **Fencing token.** Each acquisition writes `transitions + 1`; a fresh record starts at the
+//!   store's fencing seed (or one above the highest token this elector has seen).
+//! - **Health.** [`Elector::check_health`] fails when the elector believes it leads past its
+//!   term's validity (its task is stuck), or when its task failed.
+//! - **Corrupt records** are treated as held by an unknown holder and replaced only after they
+//!   stayed unchanged for a whole lease duration. Absurd lease durations in records are treated as
+//!   [`machine::MAX_RECORD_LEASE_DURATION`].
+//!
+//! Every state change is logged with `tracing`, in a span carrying the lease key and identity.
+
+pub mod machine;
+
+use std::collections::HashMap;
+use std::fmt;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime};
+
+use futures::future::BoxFuture;
+use futures::{FutureExt, StreamExt};
+use tokio::sync::oneshot;
+use tokio::task::JoinHandle;
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+use tracing::{Instrument, warn};
+
+use crate::error::{Error, Result};
+use crate::status::{
+    LeaderStatus, Leadership, StatusCell, StatusChanged, StatusSource, Validity, set_validity,
+};
+use crate::store::{DynLeaseStore, LeaseKey, WatchStream};
+use machine::{Machine, Now, Op, Output, Reply, RequestId, WatchId};
+
+pub use machine::RELEASE_LEASE_DURATION;
+
+/// The longest identity accepted, in bytes.
+pub const MAX_IDENTITY_LEN: usize = 1024;
+
+/// The longest accepted value of each duration in [`ElectorConfig`] (one day).
+pub const MAX_TIMING: Duration = Duration::from_secs(24 * 60 * 60);
+
+/// A unique default identity: the host name plus a random suffix, so two elector instances on
+/// one host (or a restarted one) never share an identity (as k0s's invocation id does).
+pub fn default_identity() -> String {
+    let host = gethostname::gethostname().to_string_lossy().into_owned();
+    let host = if host.is_empty() {
+        "leasehold".to_owned()
+    } else {
+        host
+    };
+    format!("{host}-{:016x}", rand::random::<u64>())
+}
+
+/// Configuration of an [`Elector`].
+///
+/// Defaults follow client-go: lease 15 s, renew deadline 10 s, retry period 2 s; drain timeout
+/// 30 s. k0s uses 60 s / 15 s / 5 s: `ElectorConfig::new(key, id).with_timings(60s, 15s, 5s)`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct ElectorConfig {
+    /// The lease key.
+    pub key: LeaseKey,
+    /// This candidate's identity (non-empty, at most [`MAX_IDENTITY_LEN`] bytes, no control
+    /// characters).
+    pub identity: String,
+    /// How long followers wait after observing the last change before they consider the lease
+    /// expired.
+    pub lease_duration: Duration,
+    /// How long the leader's term stays valid after it sent its last confirmed renewal.
+    pub renew_deadline: Duration,
+    /// How often the leader renews (and a polling follower polls).
+    pub retry_period: Duration,
+    /// How long a graceful step-down (shutdown, yield) keeps renewing while leader tasks finish,
+    /// before it gives up on them: the term is then revoked and the lease left to expire.
+    pub drain_timeout: Duration,
+}
+
+// === impl ElectorConfig ===
+
+impl ElectorConfig {
+    /// A configuration with client-go's default timings and a 30 s drain timeout.
+    pub fn new(key: LeaseKey, identity: impl Into<String>) -> Self {
+        ElectorConfig {
+            key,
+            identity: identity.into(),
+            lease_duration: Duration::from_secs(15),
+            renew_deadline: Duration::from_secs(10),
+            retry_period: Duration::from_secs(2),
+            drain_timeout: Duration::from_secs(30),
+        }
+    }
+
+    /// Sets the three timings.
+    pub fn with_timings(
+        mut self,
+        lease_duration: Duration,
+        renew_deadline: Duration,
+        retry_period: Duration,
+    ) -> Self {
+        self.lease_duration = lease_duration;
+        self.renew_deadline = renew_deadline;
+        self.retry_period = retry_period;
+        self
+    }
+
+    /// Sets the drain timeout (see [`ElectorConfig::drain_timeout`]).
+    pub fn with_drain_timeout(mut self, drain_timeout: Duration) -> Self {
+        self.drain_timeout = drain_timeout;
+        self
+    }
+
+    /// Checks `lease_duration > renew_deadline > 1.2 × retry_period`, `retry_period > 0`, a
+    /// non-zero drain timeout, every duration at most [`MAX_TIMING`], and the identity rules.
+    ///
+    /// # Errors
+    /// [`Error::InvalidConfig`] naming the offending values.
+    pub fn validate(&self) -> Result<()> {
+        let bad = |m: String| Err(Error::InvalidConfig(m));
+        if self.identity.is_empty() {
+            return bad("identity must not be empty (use leasehold::default_identity())".into());
+        }
+        if self.identity.len() > MAX_IDENTITY_LEN {
+            return bad(format!(
+                "identity is {} bytes long; at most {MAX_IDENTITY_LEN} are allowed",
+                self.identity.len()
+            ));
+        }
+        if self.identity.chars().any(char::is_control) {
+            return bad(format!(
+                "identity {:?} contains control characters",
+                self.identity
+            ));
+        }
+        for (name, d) in [
+            ("lease_duration", self.lease_duration),
+            ("renew_deadline", self.renew_deadline),
+            ("retry_period", self.retry_period),
+            ("drain_timeout", self.drain_timeout),
+        ] {
+            if d > MAX_TIMING {
+                return bad(format!(
+                    "{name} ({d:?}) is longer than the maximum of {MAX_TIMING:?}"
+                ));
+            }
+        }
+        if self.retry_period.is_zero() {
+            return bad("retry_period must be greater than zero".into());
+        }
+        if self.drain_timeout.is_zero() {
+            return bad("drain_timeout must be greater than zero".into());
+        }
+        if self.lease_duration <= self.renew_deadline {
+            return bad(format!(
+                "lease_duration ({:?}) must be greater than renew_deadline ({:?})",
+                self.lease_duration, self.renew_deadline
+            ));
+        }
+        if self.renew_deadline.as_secs_f64() <= 1.2 * self.retry_period.as_secs_f64() {
+            return bad(format!(
+                "renew_deadline ({:?}) must be greater than 1.2 × retry_period ({:?} × 1.2 = {:?})",
+                self.renew_deadline,
+                self.retry_period,
+                self.retry_period.mul_f64(1.2)
+            ));
+        }
+        Ok(())
+    }
+}
+
+enum Command {
+    Yield(Duration, oneshot::Sender<()>),
+}
+
+/// Requests to the background task (a queue plus a wake-up: lighter than a channel).
+#[derive(Default)]
+struct Commands {
+    queue: Mutex<Vec<Command>>,
+    wake: tokio::sync::Notify,
+    closed: std::sync::atomic::AtomicBool,
+}
+
+impl Commands {
+    fn send(&self, c: Command) -> std::result::Result<(), Command> {
+        let mut q = self.queue.lock().unwrap_or_else(|e| e.into_inner());
+        if self.closed.load(std::sync::atomic::Ordering::SeqCst) {
+            return Err(c);
+        }
+        q.push(c);
+        drop(q);
+        self.wake.notify_one();
+        Ok(())
+    }
+
+    fn try_recv(&self) -> Option<Command> {
+        let mut q = self.queue.lock().unwrap_or_else(|e| e.into_inner());
+        if q.is_empty() {
+            None
+        } else {
+            Some(q.remove(0))
+        }
+    }
+
+    async fn recv(&self) -> Option<Command> {
+        loop {
+            if let Some(c) = self.try_recv() {
+                return Some(c);
+            }
+            if self.closed.load(std::sync::atomic::Ordering::SeqCst) {
+                return None;
+            }
+            self.wake.notified().await;
+        }
+    }
+
+    /// Closes the queue and drops what is left in it (their callers see the elector gone).
+    fn close(&self) {
+        let mut q = self.queue.lock().unwrap_or_else(|e| e.into_inner());
+        self.closed.store(true, std::sync::atomic::Ordering::SeqCst);
+        q.clear();
+    }
+}
+
+struct Shared {
+    config: ElectorConfig,
+    status: StatusCell,
+    commands: Commands,
+    /// The current (or draining) term's validity, for health checks and for revoking it if the
+    /// task fails.
+    validity: Mutex<Option<Arc<Mutex<Validity>>>>,
+    /// Set when the background task panicked.
+    failed: Mutex<Option<String>>,
+    /// Cancelled once the background task has finished.
+    stopped: CancellationToken,
+}
+
+impl Shared {
+    fn failure(&self) -> Option<Error> {
+        let failed = self.failed.lock().unwrap_or_else(|e| e.into_inner());
+        failed.as_ref().map(|m| Error::ElectorFailed {
+            key: self.config.key.to_string(),
+            message: m.clone(),
+        })
+    }
+}
+
+/// A leader elector for one lease key. See the [module docs](self) for its semantics.
+///
+/// Created by [`Elector::spawn`], which starts a background task on the current Tokio runtime.
+/// Dropping the `Elector` shuts it down in the background (in order, as [`Elector::shutdown`]
+/// does); call `shutdown` to wait for that.
+pub struct Elector {
+    shared: Arc<Shared>,
+    cancel: CancellationToken,
+    task: Mutex<Option<JoinHandle<()>>>,
+}
+
+impl fmt::Debug for Elector {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Elector")
+            .field("key", &self.shared.config.key)
+            .field("identity", &self.shared.config.identity)
+            .field("status", &self.shared.status.get())
+            .finish_non_exhaustive()
+    }
+}
+
+fn now() -> Now {
+    Now {
+        instant: Instant::now().into_std(),
+        wall: SystemTime::now(),
+    }
+}
+
+// === impl Elector ===
+
+impl Elector {
+    /// Validates `config` and starts campaigning on `store` in a background task.
+    ///
+    /// # Errors
+    /// [`Error::InvalidConfig`] when the configuration is invalid.
+    ///
+    /// # Panics
+    /// When called outside a Tokio runtime.
+    pub fn spawn(store: DynLeaseStore, config: ElectorConfig) -> Result<Elector> {
+        let machine = Machine::new(
+            config.clone(),
+            store.capabilities().watch,
+            rand::random(),
+            now(),
+        )?;
+        let shared = Arc::new(Shared {
+            config,
+            status: StatusCell::default(),
+            commands: Commands::default(),
+            validity: Mutex::new(None),
+            failed: Mutex::new(None),
+            stopped: CancellationToken::new(),
+        });
+        let cancel = CancellationToken::new();
+        let span = tracing::info_span!(
+            "leasehold_elector",
+            key = %shared.config.key,
+            identity = %shared.config.identity,
+        );
+        let driver = Driver {
+            machine,
+            store,
+            shared: shared.clone(),
+            cancel: cancel.clone(),
+        };
+        let task = tokio::spawn(driver.run().instrument(span));
+        Ok(Elector {
+            shared,
+            cancel,
+            task: Mutex::new(Some(task)),
+        })
+    }
+
+    /// The configuration this elector runs with.
+    pub fn config(&self) -> &ElectorConfig {
+        &self.shared.config
+    }
+
+    /// The current status and a future that resolves when it is superseded (k0s's
+    /// `CurrentStatus()`). Also available through [`StatusSource`].
+    pub fn current_status(&self) -> (LeaderStatus, StatusChanged) {
+        self.shared.status.current_status()
+    }
+
+    /// A `tokio::sync::watch` receiver of the status.
+    pub fn subscribe(&self) -> tokio::sync::watch::Receiver<LeaderStatus> {
+        self.shared.status.subscribe()
+    }
+
+    /// Whether this elector leads right now: its status is leading and the term is still valid
+    /// by the monotonic clock.
+    pub fn is_leading(&self) -> bool {
+        match self.shared.status.get() {
+            LeaderStatus::Leading(l) => l.is_valid(),
+            LeaderStatus::NotLeading { .. } => false,
+        }
+    }
+
+    /// The identity of the current leader as far as this elector knows (its own when leading).
+    pub fn leader(&self) -> Option<String> {
+        match self.shared.status.get() {
+            LeaderStatus::Leading(_) => Some(self.shared.config.identity.clone()),
+            LeaderStatus::NotLeading { leader } => leader,
+        }
+    }
+
+    /// Health check (client-go's `HealthzAdaptor`): fails when the elector believes it leads but
+    /// its term's validity has passed — its last confirmed renewal was sent more than
+    /// `renew_deadline` ago, so its task is stuck — or when its task failed.
+    ///
+    /// # Errors
+    /// [`Error::Unhealthy`], or [`Error::ElectorFailed`].
+    pub fn check_health(&self) -> Result<()> {
+        if let Some(e) = self.shared.failure() {
+            return Err(e);
+        }
+        let cfg = &self.shared.config;
+        if let LeaderStatus::Leading(l) = self.shared.status.get()
+            && !l.is_valid()
+        {
+            let since = match l.valid_until() {
+                Some(v) => (Instant::now() + cfg.renew_deadline).saturating_duration_since(v),
+                None => cfg.renew_deadline,
+            };
+            return Err(Error::Unhealthy {
+                key: cfg.key.to_string(),
+                identity: cfg.identity.clone(),
+                since,
+                renew_deadline: cfg.renew_deadline,
+            });
+        }
+        Ok(())
+    }
+
+    /// Releases the lease if held (in order: status, then leader tasks drain while the lease is
+    /// still renewed, then the release write) and does not campaign for `duration` (a later
+    /// yield replaces the duration of an earlier one). Returns once the lease is released (or
+    /// was not held). Any duration is accepted; one too large to represent means "until
+    /// shutdown".
+    ///
+    /// # Errors
+    /// [`Error::Shutdown`] when the elector has shut down; [`Error::ElectorFailed`] when its task
+    /// failed.
+    ///
+    /// # Cancel safety
+    /// Cancel safe: once the request reached the elector, the yield goes ahead regardless.
+    pub async fn yield_for(&self, duration: Duration) -> Result<()> {
+        let (tx, rx) = oneshot::channel();
+        let gone = || {
+            self.shared.failure().unwrap_or_else(|| Error::Shutdown {
+                key: self.shared.config.key.to_string(),
+            })
+        };
+        self.shared
+            .commands
+            .send(Command::Yield(duration, tx))
+            .map_err(|_| gone())?;
+        rx.await.map_err(|_| gone())
+    }
+
+    /// Shuts the elector down in order (see the [module docs](self)) and waits until it has
+    /// released the lease and stopped. Concurrent and repeated calls all wait for the same end.
+    ///
+    /// # Errors
+    /// [`Error::ElectorFailed`] when the elector's task failed (it panicked): its term, if any,
+    /// was revoked, and the lease was not released.
+    ///
+    /// # Cancel safety
+    /// Cancel safe: the shutdown goes ahead in the background if this future is dropped.
+    pub async fn shutdown(&self) -> Result<()> {
+        self.cancel.cancel();
+        let task = self.task.lock().unwrap_or_else(|e| e.into_inner()).take();
+        match task {
+            Some(task) => {
+                if let Err(e) = task.await {
+                    warn!(error = %e, "elector task ended abnormally");
+                }
+            }
+            // Another caller is waiting for the task; wait for the same end.
+            None => self.shared.stopped.cancelled().await,
+        }
+        match self.shared.failure() {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
+
+    /// A future that resolves once the elector has stopped: after a shutdown was requested and
+    /// the lease was released (or left to expire), or after its task failed.
+    ///
+    /// # Cancel safety
+    /// Cancel safe.
+    pub async fn stopped(&self) {
+        self.shared.stopped.cancelled().await;
+    }
+}
+
+impl Drop for Elector {
+    fn drop(&mut self) {
+        self.cancel.cancel();
+    }
+}
+
+impl StatusSource for Elector {
+    fn current_status(&self) -> (LeaderStatus, StatusChanged) {
+        self.shared.status.current_status()
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The driver: turns the machine's outputs into I/O and timers, and I/O results back into inputs.
+
+type Pending<T> = Option<BoxFuture<'static, T>>;
+
+struct Driver {
+    machine: Machine,
+    store: DynLeaseStore,
+    shared: Arc<Shared>,
+    cancel: CancellationToken,
+}
+
+async fn call(store: DynLeaseStore, key: LeaseKey, op: Op) -> Result<Reply> {
+    match op {
+        Op::Get => store.get(&key).await.map(Reply::Record),
+        Op::Create(r) => store.create(&key, &r).await.map(Reply::Written),
+        Op::Update { record, expected } => store
+            .update(&key, &record, &expected)
+            .await
+            .map(Reply::Written),
+        Op::FencingSeed => store.fencing_seed(&key).await.map(Reply::Seed),
+    }
+}
+
+fn op_name(op: &Op) -> &'static str {
+    match op {
+        Op::Get => "get",
+        Op::Create(_) => "create",
+        Op::Update { .. } => "update",
+        Op::FencingSeed => "fencing_seed",
+    }
+}
+
+async fn pending<T>(f: &mut Pending<T>) -> T {
+    match f {
+        Some(fut) => fut.await,
+        None => std::future::pending().await,
+    }
+}
+
+async fn next_item(
+    w: &mut Option<(WatchId, WatchStream)>,
+) -> (WatchId, Option<Result<crate::WatchEvent>>) {
+    match w {
+        Some((id, s)) => (*id, s.next().await),
+        None => std::future::pending().await,
+    }
+}
+
+async fn sleep_until(t: Option<Instant>) {
+    match t {
+        Some(t) => tokio::time::sleep_until(t).await,
+        None => std::future::pending().await,
+    }
+}
+
+impl Driver {
+    async fn run(self) {
+        let shared = self.shared.clone();
+        // Marks the elector stopped when this task ends, also if it panics or is aborted.
+        let _stopped = shared.stopped.clone().drop_guard();
+        let result = std::panic::AssertUnwindSafe(self.drive())
+            .catch_unwind()
+            .await;
+        if let Err(panic) = result {
+            let message = panic
+                .downcast_ref::<&str>()
+                .map(|s| (*s).to_owned())
+                .or_else(|| panic.downcast_ref::<String>().cloned())
+                .unwrap_or_else(|| "a panic with a non-string payload".to_owned());
+            tracing::error!(message, "the elector's task panicked; it has stopped");
+            *shared.failed.lock().unwrap_or_else(|e| e.into_inner()) = Some(message);
+            if let Some(v) = shared
+                .validity
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .take()
+            {
+                set_validity(&v, Validity::Revoked);
+            }
+            shared.status.set(LeaderStatus::NotLeading { leader: None });
+        }
+        shared.commands.close();
+    }
+
+    async fn drive(mut self) {
+        let store_name = self.store.name();
+        let key = self.shared.config.key.clone();
+        let mut request: Pending<(RequestId, Result<Reply>)> = None;
+        let mut opening: Pending<(WatchId, Result<WatchStream>)> = None;
+        let mut watch: Option<(WatchId, WatchStream)> = None;
+        let mut term: Option<Leadership> = None;
+        let mut drained: Pending<()> = None;
+        let mut yields: HashMap<u64, oneshot::Sender<()>> = HashMap::new();
+        let mut next_yield = 0u64;
+        let mut shutdown_sent = false;
+        loop {
+            while let Some(out) = self.machine.poll_output() {
+                match out {
+                    Output::Request(req) => {
+                        let store = self.store.clone();
+                        let key = key.clone();
+                        let operation = op_name(&req.op);
+                        let deadline = Instant::from_std(req.deadline);
+                        let after = deadline.saturating_duration_since(Instant::now());
+                        let id = req.id;
+                        let op = req.op;
+                        request = Some(Box::pin(async move {
+                            let r = tokio::time::timeout_at(deadline, call(store, key, op))
+                                .await
+                                .unwrap_or(Err(Error::Timeout {
+                                    store: store_name,
+                                    operation,
+                                    after,
+                                }));
+                            (id, r)
+                        }));
+                    }
+                    Output::OpenWatch {
+                        id,
+                        after,
+                        deadline,
+                    } => {
+                        watch = None;
+                        let store = self.store.clone();
+                        let key = key.clone();
+                        let deadline = Instant::from_std(deadline);
+                        let limit = deadline.saturating_duration_since(Instant::now());
+                        opening = Some(Box::pin(async move {
+                            let r = tokio::time::timeout_at(
+                                deadline,
+                                store.watch(&key, after.as_ref()),
+                            )
+                            .await
+                            .unwrap_or(Err(Error::Timeout {
+                                store: store_name,
+                                operation: "watch",
+                                after: limit,
+                            }));
+                            (id, r)
+                        }));
+                    }
+                    Output::CloseWatch => {
+                        watch = None;
+                        opening = None;
+                    }
+                    Output::Leading {
+                        fencing_token,
+                        valid_until,
+                    } => {
+                        let (l, rx) = Leadership::new_term(
+                            fencing_token,
+                            Validity::Until(Instant::from_std(valid_until)),
+                        );
+                        *self
+                            .shared
+                            .validity
+                            .lock()
+                            .unwrap_or_else(|e| e.into_inner()) = Some(l.validity_cell());
+                        self.shared.status.set(LeaderStatus::Leading(l.clone()));
+                        term = Some(l);
+                        drained = Some(Box::pin(async move {
+                            let _ = rx.await;
+                        }));
+                    }
+                    Output::Renewed { valid_until } => {
+                        if let Some(v) = &*self
+                            .shared
+                            .validity
+                            .lock()
+                            .unwrap_or_else(|e| e.into_inner())
+                        {
+                            set_validity(v, Validity::Until(Instant::from_std(valid_until)));
+                        }
+                    }
+                    Output::TermEnded { cause } => {
+                        if let Some(l) = term.take() {
+                            l.mark_ended(cause);
+                        }
+                        self.shared
+                            .status
+                            .set(LeaderStatus::NotLeading { leader: None });
+                    }
+                    Output::Revoked => {
+                        if let Some(v) = self
+                            .shared
+                            .validity
+                            .lock()
+                            .unwrap_or_else(|e| e.into_inner())
+                            .take()
+                        {
+                            set_validity(&v, Validity::Revoked);
+                        }
+                    }
+                    Output::Following { leader } => {
+                        self.shared.status.set(LeaderStatus::NotLeading { leader });
+                    }
+                    Output::YieldDone { id } => {
+                        if let Some(tx) = yields.remove(&id) {
+                            let _ = tx.send(());
+                        }
+                    }
+                    Output::Stopped => {}
+                }
+            }
+            if self.machine.is_stopped() {
+                return;
+            }
+            let wake = self.machine.poll_timeout().map(Instant::from_std);
+            // Timers first: no ready input can starve a deadline (the machine also processes due
+            // timers on every input).
+            tokio::select! {
+                biased;
+                () = sleep_until(wake) => self.machine.handle_timeout(now()),
+                () = self.cancel.cancelled(), if !shutdown_sent => {
+                    shutdown_sent = true;
+                    self.machine.handle_command(now(), machine::Command::Shutdown);
+                }
+                (id, r) = pending(&mut request) => {
+                    request = None;
+                    self.machine.handle_reply(now(), id, r);
+                }
+                (id, r) = pending(&mut opening) => {
+                    opening = None;
+                    match r {
+                        Ok(s) => {
+                            watch = Some((id, s));
+                            self.machine.handle_watch_opened(now(), id, Ok(()));
+                        }
+                        Err(e) => self.machine.handle_watch_opened(now(), id, Err(e)),
+                    }
+                }
+                (id, item) = next_item(&mut watch) => {
+                    if !matches!(item, Some(Ok(_))) {
+                        watch = None;
+                    }
+                    self.machine.handle_watch_item(now(), id, item);
+                }
+                () = pending(&mut drained) => {
+                    drained = None;
+                    self.machine.handle_tasks_drained(now());
+                }
+                cmd = self.shared.commands.recv() => match cmd {
+                    Some(Command::Yield(duration, tx)) => {
+                        next_yield += 1;
+                        yields.insert(next_yield, tx);
+                        self.machine.handle_command(
+                            now(),
+                            machine::Command::Yield { id: next_yield, duration },
+                        );
+                    }
+                    None => {
+                        if !shutdown_sent {
+                            shutdown_sent = true;
+                            self.machine.handle_command(now(), machine::Command::Shutdown);
+                        }
+                    }
+                },
+            }
+        }
+    }
+}
