@@ -574,6 +574,21 @@ fn handle(store: &DynLeaseStore) -> FaultyStore {
     FaultyStore::new(store.clone())
 }
 
+/// Writes a released (vacant) record under `key`, as an earlier leader's release leaves it: a
+/// candidate takes such a lease at once, whereas a missing record is created only after it was
+/// seen absent for a whole lease duration.
+pub async fn create_released(store: &DynLeaseStore, key: &LeaseKey) {
+    let now = std::time::SystemTime::now();
+    let record = LeaseRecord {
+        holder_identity: String::new(),
+        lease_duration: Duration::from_secs(1),
+        acquire_time: Some(now),
+        renew_time: Some(now),
+        transitions: 0,
+    };
+    fail("create", store.create(key, &record).await);
+}
+
 async fn cleanup(store: &DynLeaseStore, key: &LeaseKey) {
     if let Ok(Some(v)) = store.get(key).await {
         let _ = store.delete(key, &v.version).await;
@@ -668,6 +683,7 @@ pub async fn elector_graceful_handover(store: DynLeaseStore) {
             Duration::from_millis(250),
         )
     };
+    create_released(&store, &key).await;
     let a = spawn_with(&handle(&store), cfg("cand-a"));
     let (ta, _) = Monitor::new(&a, "a").leading().await;
     let b = spawn_with(&handle(&store), cfg("cand-b"));

@@ -268,3 +268,29 @@ async fn yield_holds_off_for_exactly_the_duration() {
     assert_eq!(t1.fencing_token(), t0 + 1);
     a.shutdown().await.expect("the elector shuts down cleanly");
 }
+
+/// A missing record may have been deleted or lost while a term on it was valid: it is created
+/// only a whole lease duration after the key was first seen absent, never sooner.
+#[tokio::test(start_paused = true)]
+async fn a_missing_record_is_created_a_lease_after_it_was_seen_absent() {
+    let shared: DynLeaseStore = Arc::new(MemoryStore::new());
+    let started = Instant::now();
+    let a = spawn(shared.clone(), "a");
+    let mut ra = a.subscribe();
+    let la = leading(&mut ra).await;
+    assert_at("creation", la.since(), started + LEASE);
+    a.shutdown().await.expect("the elector shuts down cleanly");
+}
+
+/// With `trust_absence`, a missing record is created at once (client-go's behaviour).
+#[tokio::test(start_paused = true)]
+async fn trust_absence_creates_a_missing_record_at_once() {
+    let shared: DynLeaseStore = Arc::new(MemoryStore::new());
+    let started = Instant::now();
+    let a =
+        Elector::spawn(shared.clone(), config("a").with_trust_absence(true)).expect("valid config");
+    let mut ra = a.subscribe();
+    let la = leading(&mut ra).await;
+    assert_at("creation", la.since(), started);
+    a.shutdown().await.expect("the elector shuts down cleanly");
+}

@@ -290,6 +290,15 @@ enum Purpose {
     },
     Acquire {
         record: LeaseRecord,
+        expected: Option<Version>,
+        /// Its token came from a fencing seed: verified against a second seed before leading.
+        fresh: bool,
+    },
+    /// A second seed after a fresh record landed at `version`.
+    Verify {
+        record: LeaseRecord,
+        version: Version,
+        sent: Instant,
     },
     Renew {
         attempt: Attempt,
@@ -331,6 +340,8 @@ pub struct Machine {
     mine: Option<Mine>,
     /// An acquire whose outcome is unknown (it failed or timed out): recognised if a read shows it.
     pending_acquire: Option<(LeaseRecord, Instant)>,
+    /// States (versions; `None` for absent) first observed while an acquire was in flight.
+    seen_during_acquire: Vec<Option<Version>>,
     inflight: Option<InFlight>,
     next_id: u64,
     watch: WatchState,
@@ -399,6 +410,7 @@ impl Machine {
             known_max: None,
             mine: None,
             pending_acquire: None,
+            seen_during_acquire: Vec::new(),
             inflight: None,
             next_id: 0,
             watch: WatchState::Closed { retry_at: None },
@@ -500,7 +512,8 @@ impl Machine {
 
     /// A command from the elector's owner.
     pub fn handle_command(&mut self, now: Now, cmd: Command) {
-        self.tick(now);
+        // Timers first: an input never lands before a deadline that is already due.
+        self.step(now);
         match cmd {
             Command::Shutdown => {
                 info!("shutdown requested");
@@ -536,7 +549,8 @@ impl Machine {
 
     /// Every task of the ended term has finished (its leadership guards are dropped).
     pub fn handle_tasks_drained(&mut self, now: Now) {
-        self.tick(now);
+        // Timers first: an input never lands before a deadline that is already due.
+        self.step(now);
         if let Mode::Draining { .. } = self.mode {
             info!("leader tasks finished; releasing the lease");
             self.begin_release();
@@ -546,7 +560,8 @@ impl Machine {
 
     /// The answer to request `id`.
     pub fn handle_reply(&mut self, now: Now, id: RequestId, result: Result<Reply, Error>) {
-        self.tick(now);
+        // Timers first: an input never lands before a deadline that is already due.
+        self.step(now);
         let Some(inflight) = self.inflight.take_if(|f| f.id == id) else {
             debug!(
                 ?id,
@@ -559,7 +574,16 @@ impl Machine {
         match purpose {
             Purpose::Read => self.on_read(now, result),
             Purpose::Seed { replace } => self.on_seed(now, replace, result),
-            Purpose::Acquire { record } => self.on_acquire(now, sent, record, result),
+            Purpose::Acquire {
+                record,
+                expected,
+                fresh,
+            } => self.on_acquire(now, sent, record, expected, fresh, result),
+            Purpose::Verify {
+                record,
+                version,
+                sent,
+            } => self.on_verify(now, sent, record, version, result),
             Purpose::Renew { attempt, record } => self.on_renew(now, attempt, record, result),
             Purpose::Release { record } => self.on_release(now, record, result),
         }
@@ -568,7 +592,8 @@ impl Machine {
 
     /// The outcome of opening watch `id`.
     pub fn handle_watch_opened(&mut self, now: Now, id: WatchId, result: Result<(), Error>) {
-        self.tick(now);
+        // Timers first: an input never lands before a deadline that is already due.
+        self.step(now);
         match (&self.watch, result) {
             (WatchState::Opening(cur), Ok(())) if *cur == id => {
                 debug!("watching the lease");
@@ -591,7 +616,8 @@ impl Machine {
         id: WatchId,
         item: Option<Result<WatchEvent, Error>>,
     ) {
-        self.tick(now);
+        // Timers first: an input never lands before a deadline that is already due.
+        self.step(now);
         if !matches!(self.watch, WatchState::Open(cur) if cur == id) {
             self.step(now);
             return;
@@ -722,7 +748,10 @@ impl Machine {
     /// When the observed state can be taken over: `None` = now.
     fn expiry(&self, obs: &Observed) -> Option<Instant> {
         match &obs.seen {
-            Seen::Absent => None,
+            Seen::Absent if self.cfg.trust_absence => None,
+            // Deleted or lost, or never created: the store cannot tell. A term may have been
+            // valid when the record vanished; it has ended a lease duration later.
+            Seen::Absent => later(obs.at, self.cfg.lease_duration),
             Seen::Record(v) if v.record.is_vacant() => None,
             Seen::Record(v)
                 if self
@@ -751,6 +780,20 @@ impl Machine {
             (None, _) => false,
         };
         if !same {
+            if matches!(
+                self.inflight,
+                Some(InFlight {
+                    purpose: Purpose::Acquire { .. },
+                    ..
+                })
+            ) && self.seen_during_acquire.len() < 64
+            {
+                self.seen_during_acquire.push(match &seen {
+                    Seen::Absent => None,
+                    Seen::Record(v) => Some(v.version.clone()),
+                    Seen::Corrupt(v) => Some(v.clone().unwrap_or_else(|| Version::new(""))),
+                });
+            }
             if let Seen::Record(v) = &seen {
                 debug!(holder = %v.record.holder_identity, version = %v.version, "observed a change");
             }
@@ -920,12 +963,12 @@ impl Machine {
                     info!(holder = %v.record.holder_identity, "the lease expired; trying to acquire it");
                 }
                 let token = self.next_token(Some(v.record.transitions));
-                self.acquire(now, token, Some(v.version));
+                self.acquire(now, token, Some(v.version), false);
             }
         }
     }
 
-    fn acquire(&mut self, now: Now, token: u64, expected: Option<Version>) {
+    fn acquire(&mut self, now: Now, token: u64, expected: Option<Version>, fresh: bool) {
         let t = self.stamp(now.wall);
         let record = LeaseRecord {
             holder_identity: self.cfg.identity.clone(),
@@ -943,7 +986,21 @@ impl Machine {
         };
         // The write is worth something only while the term it starts would be valid.
         let deadline = self.request_deadline(now);
-        self.send(now, op, Purpose::Acquire { record }, deadline);
+        let expected = match &op {
+            Op::Update { expected, .. } => Some(expected.clone()),
+            _ => None,
+        };
+        self.seen_during_acquire.clear();
+        self.send(
+            now,
+            op,
+            Purpose::Acquire {
+                record,
+                expected,
+                fresh,
+            },
+            deadline,
+        );
     }
 
     fn publish_follower(&mut self, now: Now) {
@@ -1369,7 +1426,7 @@ impl Machine {
                 return;
             }
         };
-        self.acquire(now, token, replace);
+        self.acquire(now, token, replace, true);
     }
 
     fn acquire_failed(&mut self, now: Now) {
@@ -1383,9 +1440,34 @@ impl Machine {
         now: Now,
         sent: Instant,
         record: LeaseRecord,
+        expected: Option<Version>,
+        fresh: bool,
         result: Result<Reply, Error>,
     ) {
         match result {
+            Ok(Reply::Written(version)) if self.superseded(&expected, &version) => {
+                // The acknowledgement came after a later state of the key was seen: the write
+                // landed, but something replaced it since. Never lead on it.
+                warn!(
+                    "an acquire was acknowledged only after the lease changed again; not leading on it"
+                );
+                self.acquire_failed(now);
+            }
+            Ok(Reply::Written(version)) if fresh && !self.stop_requested => {
+                // Writes may have landed between the seed and this create (a record created and
+                // lost meanwhile): check the seed again before leading on the token.
+                let deadline = later(sent, self.cfg.renew_deadline).unwrap_or(now.instant);
+                self.send(
+                    now,
+                    Op::FencingSeed,
+                    Purpose::Verify {
+                        record,
+                        version,
+                        sent,
+                    },
+                    deadline,
+                );
+            }
             Ok(Reply::Written(version)) => self.begin_term(now, sent, record, version),
             Ok(other) => {
                 warn!(?other, "the store answered a write with something else");
@@ -1413,6 +1495,56 @@ impl Machine {
                 }
             }
         }
+    }
+
+    fn on_verify(
+        &mut self,
+        now: Now,
+        sent: Instant,
+        record: LeaseRecord,
+        version: Version,
+        result: Result<Reply, Error>,
+    ) {
+        match result {
+            // No write landed between the seed and the create: the token is above every token
+            // issued before it.
+            Ok(Reply::Seed(after)) if after <= record.transitions.saturating_add(1) => {
+                self.begin_term(now, sent, record, version)
+            }
+            Ok(Reply::Seed(after)) => {
+                debug!(
+                    token = record.transitions,
+                    seed = after,
+                    "other writes landed since the fencing seed; raising the token before leading"
+                );
+                self.known_max = self.known_max.max(Some(after.saturating_sub(1)));
+                let token = self.next_token(Some(record.transitions));
+                self.acquire(now, token, Some(version), false);
+            }
+            Err(Error::Unsupported { .. }) => self.begin_term(now, sent, record, version),
+            Ok(other) => {
+                warn!(
+                    ?other,
+                    "the store answered a fencing-seed request with something else"
+                );
+                self.acquire_failed(now);
+            }
+            Err(e) => {
+                warn!(error = %e, "cannot check the fencing seed after creating the lease; not leading on it");
+                self.acquire_failed(now);
+            }
+        }
+    }
+
+    /// Whether a state other than the one a write expected, or the one it wrote, was observed
+    /// while the write was in flight: then the write, if it landed, has been replaced since (or
+    /// the key was deleted and re-created meanwhile, so its fencing seed may be stale).
+    fn superseded(&mut self, expected: &Option<Version>, written: &Version) -> bool {
+        let seen = std::mem::take(&mut self.seen_during_acquire);
+        seen.iter().any(|v| match v {
+            Some(v) => v != written && Some(v) != expected.as_ref(),
+            None => expected.is_some(),
+        })
     }
 
     fn begin_term(&mut self, now: Now, sent: Instant, record: LeaseRecord, version: Version) {

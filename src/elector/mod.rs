@@ -41,6 +41,11 @@
 //! - **Skew-safe expiry.** A follower takes over when the record stayed unchanged for its lease
 //!   duration, measured on its own clock from when it *first observed* that version. Re-reading
 //!   an unchanged version (polling, a re-established watch) never postpones expiry.
+//! - **A missing record is not proof of a vacant lease.** It is created only after the key was
+//!   seen absent for a whole lease duration (unless [`ElectorConfig::trust_absence`]), so a term
+//!   that was valid when its record was deleted or lost has ended first. This costs one lease
+//!   duration on the first start of a brand-new key; a released lease (an empty holder) is taken
+//!   at once.
 //! - **Hard term deadline.** The leader's term is valid until `renew_deadline` after it *sent* its
 //!   last confirmed renewal; a timer steps it down then, whatever I/O is in flight. Every store
 //!   call is bounded by the time left.
@@ -135,6 +140,15 @@ pub struct ElectorConfig {
     /// How long a graceful step-down (shutdown, yield) keeps renewing while leader tasks finish,
     /// before it gives up on them: the term is then revoked and the lease left to expire.
     pub drain_timeout: Duration,
+    /// Whether a missing record means the key was never held, so it may be created at once
+    /// (client-go's behaviour). Default `false`: a missing record is treated like one held by an
+    /// unknown holder and created only after the key was seen absent for a whole lease duration.
+    /// The store cannot tell "never created" from "deleted" or "lost" (`kubectl delete lease`,
+    /// a Redis restart without persistence), and a term that was valid when the record vanished
+    /// stays valid up to `renew_deadline`. Waiting costs one lease duration on the first start
+    /// of a brand-new key. Set it only where a key has a single campaigner, or where that overlap
+    /// is acceptable.
+    pub trust_absence: bool,
 }
 
 // === impl ElectorConfig ===
@@ -149,6 +163,7 @@ impl ElectorConfig {
             renew_deadline: Duration::from_secs(10),
             retry_period: Duration::from_secs(2),
             drain_timeout: Duration::from_secs(30),
+            trust_absence: false,
         }
     }
 
@@ -162,6 +177,12 @@ impl ElectorConfig {
         self.lease_duration = lease_duration;
         self.renew_deadline = renew_deadline;
         self.retry_period = retry_period;
+        self
+    }
+
+    /// Sets [`ElectorConfig::trust_absence`].
+    pub fn with_trust_absence(mut self, trust_absence: bool) -> Self {
+        self.trust_absence = trust_absence;
         self
     }
 

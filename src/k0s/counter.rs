@@ -203,7 +203,9 @@ impl ControllerCounter {
                 config.lease_duration,
                 config.renew_deadline,
                 config.retry_period,
-            );
+            )
+            // Each controller campaigns only on its own key: create it at once.
+            .with_trust_absence(true);
         let elector = Elector::spawn(store.clone(), elector_config)?;
         let count = Arc::new(watch::Sender::new(0));
         let cancel = CancellationToken::new();

@@ -1,0 +1,1236 @@
+//! A deterministic simulator for the elector state machine ([`leasehold::elector::machine`]).
+//!
+//! Several machines run against one simulated lease store (a linearizable register with a
+//! revision counter, as etcd or the memory store) on a virtual clock. One seed decides every
+//! latency, fault and interleaving, so a seed replays a schedule exactly.
+//!
+//! Faults (during the first phase of a run):
+//! - request latency before **and after** commit, with long tails past the request deadline;
+//! - requests lost before commit, replies lost after commit, writes that land but report an
+//!   error, and replayed writes (a client retry whose second attempt reports a conflict);
+//! - watches that fail to open (for windows: on every open), break, or lag;
+//! - foreign writes that change only the version, deletions (data loss), corrupt data;
+//! - per-elector pauses (SIGSTOP) longer than the lease, crashes, graceful restarts, yields,
+//!   leader tasks that drain slowly (past the drain timeout);
+//! - per-elector clock **rate** drift within ±`DRIFT`, and arbitrary wall-clock skew.
+//!
+//! Invariants, checked on the simulator's true clock:
+//! 1. validity intervals of terms never overlap (a term is valid from `Leading` until the
+//!    earlier of `Revoked`, its `valid_until`, or a crash);
+//! 2. fencing tokens strictly increase in term order;
+//! 3. after the faults stop, some elector leads within
+//!    `lease_duration + renew_deadline + 2.2 × retry_period` (scaled by the drift bound, plus the
+//!    healthy store's latency).
+
+#![allow(dead_code)]
+
+use std::cmp::Reverse;
+use std::collections::{BinaryHeap, VecDeque};
+use std::fmt::Write as _;
+use std::time::{Duration, Instant, UNIX_EPOCH};
+
+use leasehold::elector::machine::{Command, Machine, Now, Op, Output, Reply, RequestId, WatchId};
+use leasehold::{ElectorConfig, Error, LeaseKey, LeaseRecord, Version, Versioned, WatchEvent};
+
+pub const LEASE: Duration = Duration::from_secs(6);
+pub const RENEW: Duration = Duration::from_secs(4);
+pub const RETRY: Duration = Duration::from_secs(1);
+pub const DRAIN: Duration = Duration::from_secs(3);
+/// The clock-rate drift bound: `(1 + DRIFT) × RENEW < (1 − DRIFT) × LEASE` holds with room.
+pub const DRIFT: f64 = 0.05;
+
+/// splitmix64.
+#[derive(Clone, Debug)]
+pub struct Rng(u64);
+
+impl Rng {
+    pub fn new(seed: u64) -> Self {
+        Rng(seed)
+    }
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+    pub fn f64(&mut self) -> f64 {
+        (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
+    }
+    pub fn chance(&mut self, p: f64) -> bool {
+        self.f64() < p
+    }
+    pub fn below(&mut self, n: u64) -> u64 {
+        if n == 0 { 0 } else { self.next_u64() % n }
+    }
+    pub fn dur(&mut self, lo: Duration, hi: Duration) -> Duration {
+        if hi <= lo {
+            return lo;
+        }
+        lo + (hi - lo).mul_f64(self.f64())
+    }
+}
+
+/// True (simulated) time since the start of the run.
+type T = Duration;
+
+#[derive(Clone, Debug)]
+enum Stored {
+    Record(LeaseRecord),
+    Corrupt,
+}
+
+#[derive(Default, Debug)]
+struct Store {
+    rev: u64,
+    cur: Option<(Stored, u64)>,
+}
+
+fn key() -> LeaseKey {
+    LeaseKey::new("sim").expect("valid key")
+}
+
+fn unavailable(msg: &str) -> Error {
+    Error::Unavailable {
+        store: "sim",
+        message: msg.to_owned(),
+        source: None,
+    }
+}
+
+impl Store {
+    fn version(&self) -> Option<u64> {
+        self.cur.as_ref().map(|(_, v)| *v)
+    }
+
+    fn read(&self) -> Result<Reply, Error> {
+        match &self.cur {
+            None => Ok(Reply::Record(None)),
+            Some((Stored::Record(r), v)) => Ok(Reply::Record(Some(Versioned {
+                record: r.clone(),
+                version: Version::from(*v),
+            }))),
+            Some((Stored::Corrupt, v)) => Err(Error::Corrupt {
+                key: "sim".into(),
+                reason: "foreign bytes".into(),
+                version: Some(Version::from(*v)),
+            }),
+        }
+    }
+
+    /// Applies `op`; returns the result and the change it made, if any.
+    fn apply(&mut self, op: &Op) -> (Result<Reply, Error>, Option<Option<Stored>>) {
+        match op {
+            Op::Get => (self.read(), None),
+            Op::FencingSeed => (Ok(Reply::Seed(self.rev + 1)), None),
+            Op::Create(r) => {
+                if self.cur.is_some() {
+                    return (Err(Error::AlreadyExists { key: "sim".into() }), None);
+                }
+                let change = Some(Stored::Record(r.clone()));
+                let v = self.write(change.clone());
+                (Ok(Reply::Written(Version::from(v))), Some(change))
+            }
+            Op::Update { record, expected } => {
+                let Some(cur) = self.version() else {
+                    return (Err(Error::NotFound { key: "sim".into() }), None);
+                };
+                if Version::from(cur) != *expected {
+                    return (
+                        Err(Error::Conflict {
+                            key: "sim".into(),
+                            expected: expected.clone(),
+                        }),
+                        None,
+                    );
+                }
+                let change = Some(Stored::Record(record.clone()));
+                let v = self.write(change.clone());
+                (Ok(Reply::Written(Version::from(v))), Some(change))
+            }
+            _ => (Err(unavailable("unknown op")), None),
+        }
+    }
+
+    fn write(&mut self, v: Option<Stored>) -> u64 {
+        self.rev += 1;
+        self.cur = v.map(|s| (s, self.rev));
+        self.rev
+    }
+
+    fn event(&self) -> Option<WatchEvent> {
+        match &self.cur {
+            None => Some(WatchEvent::Deleted),
+            Some((Stored::Record(r), v)) => Some(WatchEvent::Put(Versioned {
+                record: r.clone(),
+                version: Version::from(*v),
+            })),
+            Some((Stored::Corrupt, v)) => Some(WatchEvent::Corrupt {
+                reason: "foreign bytes".into(),
+                version: Some(Version::from(*v)),
+            }),
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Fate {
+    Normal,
+    LostBeforeCommit,
+    LostReply,
+    ErrorAfterCommit,
+    Replay,
+}
+
+#[derive(Debug)]
+enum Ev {
+    Timer {
+        generation: u64,
+    },
+    Commit {
+        req: RequestId,
+        op: Op,
+        fate: Fate,
+        inc: u64,
+    },
+    Reply {
+        req: RequestId,
+        result: Result<Reply, Error>,
+    },
+    WatchOpen {
+        id: WatchId,
+        after: Option<Version>,
+        ok: bool,
+    },
+    WatchTimeout {
+        id: WatchId,
+    },
+    WatchItem {
+        id: WatchId,
+        item: Option<Result<WatchEvent, Error>>,
+    },
+    Drained {
+        term: u64,
+    },
+    Resume,
+    Pause {
+        dur: Duration,
+    },
+    Crash,
+    Shutdown,
+    Yield {
+        dur: Duration,
+    },
+    BreakWatch,
+    Start,
+    VersionOnly,
+    Delete,
+    Corrupt,
+}
+
+struct Queued {
+    at: T,
+    seq: u64,
+    node: usize,
+    /// The incarnation the event belongs to (0: whichever runs when it fires).
+    inc: u64,
+    ev: Ev,
+}
+
+impl PartialEq for Queued {
+    fn eq(&self, o: &Self) -> bool {
+        (self.at, self.seq) == (o.at, o.seq)
+    }
+}
+impl Eq for Queued {}
+impl PartialOrd for Queued {
+    fn partial_cmp(&self, o: &Self) -> Option<std::cmp::Ordering> {
+        Some(self.cmp(o))
+    }
+}
+impl Ord for Queued {
+    fn cmp(&self, o: &Self) -> std::cmp::Ordering {
+        (self.at, self.seq).cmp(&(o.at, o.seq))
+    }
+}
+
+#[derive(Debug)]
+struct SimWatch {
+    id: WatchId,
+    open: bool,
+    last: T,
+}
+
+struct Node {
+    machine: Option<Machine>,
+    identity: String,
+    incarnation: u64,
+    rate: f64,
+    /// Local clock at `t0` (true).
+    local0: Duration,
+    t0: T,
+    wall_skew: Duration,
+    timer_gen: u64,
+    paused_until: T,
+    deferred: VecDeque<Ev>,
+    watch: Option<SimWatch>,
+    interval: Option<usize>,
+    term_seq: u64,
+    /// The request the machine waits for (the driver delivers one answer per request).
+    waiting: Option<RequestId>,
+    /// Opens fail until then (a watch that errors on every open).
+    watch_broken_until: T,
+}
+
+/// One term's validity interval on the true clock.
+#[derive(Clone, Debug)]
+pub struct Interval {
+    pub node: usize,
+    pub identity: String,
+    pub token: u64,
+    pub start: T,
+    pub valid_until: T,
+    pub end: Option<T>,
+    /// Its record was deleted or overwritten by a foreign writer while it was valid: data loss,
+    /// outside the guarantee of mutual exclusion (token order still holds).
+    pub voided: bool,
+}
+
+impl Interval {
+    fn effective_end(&self, run_end: T) -> T {
+        self.end.unwrap_or(run_end).min(self.valid_until)
+    }
+}
+
+/// Per-run fault settings.
+#[derive(Clone, Debug)]
+pub struct Profile {
+    pub nodes: usize,
+    pub can_watch: bool,
+    pub faults_for: Duration,
+    pub p_lost_before: f64,
+    pub p_lost_reply: f64,
+    pub p_error_after: f64,
+    pub p_replay: f64,
+    pub p_watch_fail: f64,
+    pub slow: f64,
+    pub chaos_events: u64,
+}
+
+impl Profile {
+    pub fn random(rng: &mut Rng) -> Self {
+        let heavy = rng.chance(0.3);
+        let p = |rng: &mut Rng, max: f64| {
+            if rng.chance(0.5) {
+                rng.f64() * max
+            } else {
+                0.0
+            }
+        };
+        Profile {
+            nodes: 2 + rng.below(3) as usize,
+            can_watch: rng.chance(0.8),
+            faults_for: rng.dur(Duration::from_secs(10), Duration::from_secs(40)),
+            p_lost_before: p(rng, if heavy { 0.2 } else { 0.05 }),
+            p_lost_reply: p(rng, if heavy { 0.2 } else { 0.05 }),
+            p_error_after: p(rng, if heavy { 0.2 } else { 0.05 }),
+            p_replay: p(rng, 0.1),
+            p_watch_fail: p(rng, 0.5),
+            slow: p(rng, if heavy { 0.3 } else { 0.1 }),
+            chaos_events: rng.below(if heavy { 25 } else { 10 }),
+        }
+    }
+}
+
+/// The outcome of one run.
+#[derive(Debug)]
+pub struct Outcome {
+    pub seed: u64,
+    pub violation: Option<String>,
+    pub trace: Vec<String>,
+    pub terms: usize,
+    pub events: u64,
+}
+
+pub struct Sim {
+    seed: u64,
+    rng: Rng,
+    now: T,
+    seq: u64,
+    origin: Instant,
+    queue: BinaryHeap<Reverse<Queued>>,
+    store: Store,
+    nodes: Vec<Node>,
+    intervals: Vec<Interval>,
+    profile: Profile,
+    faults_until: T,
+    trace: Option<VecDeque<String>>,
+    violation: Option<String>,
+    events: u64,
+    healthy: bool,
+    /// (holder, token) of records lost to data loss.
+    lost: Vec<(String, u64)>,
+}
+
+const TRACE_LINES: usize = 400;
+/// A run has a few thousand events; far more means a busy loop.
+const MAX_EVENTS: u64 = 200_000;
+
+impl Sim {
+    pub fn new(seed: u64, profile: Option<Profile>, trace: bool) -> Self {
+        let mut rng = Rng::new(seed);
+        let profile = profile.unwrap_or_else(|| Profile::random(&mut rng));
+        let mut sim = Sim {
+            seed,
+            rng,
+            now: Duration::ZERO,
+            seq: 0,
+            origin: Instant::now(),
+            queue: BinaryHeap::new(),
+            store: Store::default(),
+            nodes: Vec::new(),
+            intervals: Vec::new(),
+            faults_until: profile.faults_for,
+            profile,
+            trace: trace.then(VecDeque::new),
+            violation: None,
+            events: 0,
+            healthy: false,
+            lost: Vec::new(),
+        };
+        for i in 0..sim.profile.nodes {
+            sim.nodes.push(Node {
+                machine: None,
+                identity: String::new(),
+                incarnation: 0,
+                rate: 1.0,
+                local0: Duration::ZERO,
+                t0: Duration::ZERO,
+                wall_skew: Duration::ZERO,
+                timer_gen: 0,
+                paused_until: Duration::ZERO,
+                deferred: VecDeque::new(),
+                watch: None,
+                interval: None,
+                term_seq: 0,
+                waiting: None,
+                watch_broken_until: Duration::ZERO,
+            });
+            let at = sim.rng.dur(Duration::ZERO, Duration::from_millis(500));
+            sim.push(at, i, Ev::Start);
+        }
+        // The chaos schedule.
+        for _ in 0..sim.profile.chaos_events {
+            let at = sim
+                .rng
+                .dur(Duration::from_millis(500), sim.profile.faults_for);
+            let node = sim.rng.below(sim.profile.nodes as u64) as usize;
+            let ev = match sim.rng.below(10) {
+                0 | 1 => Ev::Pause {
+                    dur: sim.rng.dur(Duration::from_millis(300), LEASE * 2),
+                },
+                2 => Ev::Crash,
+                3 => Ev::Shutdown,
+                4 => Ev::Yield {
+                    dur: sim.rng.dur(Duration::ZERO, Duration::from_secs(5)),
+                },
+                5 => Ev::BreakWatch,
+                6 => Ev::VersionOnly,
+                7 => Ev::Delete,
+                8 => Ev::Corrupt,
+                _ => {
+                    // A watch that fails on every open for a while.
+                    let until = at + sim.rng.dur(Duration::from_secs(1), LEASE * 2);
+                    sim.faults_until = sim.faults_until.max(until);
+                    let n = &mut sim.nodes[node];
+                    n.watch_broken_until = n.watch_broken_until.max(until);
+                    Ev::BreakWatch
+                }
+            };
+            if let Ev::Pause { dur } = &ev {
+                sim.faults_until = sim.faults_until.max(at + *dur);
+            }
+            if let Ev::Yield { dur } = &ev {
+                sim.faults_until = sim.faults_until.max(at + *dur + DRAIN + RENEW);
+            }
+            sim.push(at, node, ev);
+        }
+        sim
+    }
+
+    /// Queues an event for whatever runs on `node` when it fires (chaos, starts).
+    fn push(&mut self, at: T, node: usize, ev: Ev) {
+        self.push_inc(at, node, 0, ev);
+    }
+
+    /// Queues an event for the node's current incarnation only.
+    fn push_own(&mut self, at: T, node: usize, ev: Ev) {
+        let inc = self.nodes[node].incarnation;
+        self.push_inc(at, node, inc, ev);
+    }
+
+    fn push_inc(&mut self, at: T, node: usize, inc: u64, ev: Ev) {
+        self.seq += 1;
+        self.queue.push(Reverse(Queued {
+            at: at.max(self.now),
+            seq: self.seq,
+            node,
+            inc,
+            ev,
+        }));
+    }
+
+    fn log(&mut self, line: impl FnOnce() -> String) {
+        if let Some(t) = &mut self.trace {
+            if t.len() >= TRACE_LINES {
+                t.pop_front();
+            }
+            let at = self.now;
+            t.push_back(format!("{:>10.6}s {}", at.as_secs_f64(), line()));
+        }
+    }
+
+    fn fail(&mut self, msg: String) {
+        if self.violation.is_none() {
+            self.log(|| format!("VIOLATION: {msg}"));
+            self.violation = Some(msg);
+        }
+    }
+
+    // --- clocks -------------------------------------------------------------------------------
+
+    fn local(&self, n: usize, t: T) -> Duration {
+        let node = &self.nodes[n];
+        node.local0 + (t.saturating_sub(node.t0)).mul_f64(node.rate)
+    }
+
+    fn now_of(&self, n: usize) -> Now {
+        let l = self.local(n, self.now);
+        Now {
+            instant: self.origin + l,
+            wall: UNIX_EPOCH + Duration::from_secs(1_700_000_000) + self.nodes[n].wall_skew + l,
+        }
+    }
+
+    /// The first true time at which node `n`'s clock reads `i` or later.
+    fn true_of(&self, n: usize, i: Instant) -> T {
+        let node = &self.nodes[n];
+        let l = i.saturating_duration_since(self.origin);
+        let dl = l.saturating_sub(node.local0);
+        let mut t = node.t0 + dl.div_f64(node.rate);
+        while self.local(n, t) < l {
+            t += Duration::from_nanos(1);
+        }
+        t
+    }
+
+    // --- latencies and fates --------------------------------------------------------------------
+
+    fn latency(&mut self) -> Duration {
+        if self.healthy {
+            return self
+                .rng
+                .dur(Duration::from_micros(100), Duration::from_millis(20));
+        }
+        if self.rng.chance(self.profile.slow) {
+            // Long tails, past the request deadline.
+            self.rng.dur(Duration::from_millis(100), RENEW * 2)
+        } else {
+            self.rng
+                .dur(Duration::from_micros(100), Duration::from_millis(50))
+        }
+    }
+
+    fn fate(&mut self, write: bool) -> Fate {
+        if self.healthy {
+            return Fate::Normal;
+        }
+        let p = &self.profile;
+        let (a, b, c, d) = (p.p_lost_before, p.p_lost_reply, p.p_error_after, p.p_replay);
+        let r = self.rng.f64();
+        if r < a {
+            Fate::LostBeforeCommit
+        } else if r < a + b {
+            Fate::LostReply
+        } else if r < a + b + c {
+            Fate::ErrorAfterCommit
+        } else if write && r < a + b + c + d {
+            Fate::Replay
+        } else {
+            Fate::Normal
+        }
+    }
+
+    // --- running ------------------------------------------------------------------------------
+
+    pub fn run(mut self) -> Outcome {
+        while let Some(Reverse(q)) = self.queue.pop() {
+            let run_end = self.faults_until + self.liveness_bound() + Duration::from_secs(2);
+            if q.at > run_end || self.violation.is_some() {
+                break;
+            }
+            self.now = q.at;
+            if !self.healthy && self.now >= self.faults_until {
+                self.healthy = true;
+                self.log(|| "faults stop".into());
+            }
+            self.events += 1;
+            if self.events > MAX_EVENTS {
+                self.fail(format!(
+                    "event storm: more than {MAX_EVENTS} events (a busy loop in the machine or its timers)"
+                ));
+                break;
+            }
+            if q.inc != 0 && q.inc != self.nodes[q.node].incarnation {
+                continue; // meant for an earlier incarnation of this node
+            }
+            self.dispatch(q.node, q.ev);
+        }
+        let check_at = self.faults_until + self.liveness_bound();
+        let run_end = check_at + Duration::from_secs(2);
+        self.now = run_end;
+        if self.violation.is_none() {
+            self.check(check_at, run_end);
+        }
+        Outcome {
+            seed: self.seed,
+            violation: self.violation.take(),
+            trace: self.trace.take().map(Vec::from).unwrap_or_default(),
+            terms: self.intervals.len(),
+            events: self.events,
+        }
+    }
+
+    /// How long after the faults stop some elector must lead: the documented bound, scaled for
+    /// the worst clock rates, plus the healthy store's latency for a few round trips.
+    pub fn liveness_bound(&self) -> Duration {
+        (LEASE + RENEW + RETRY.mul_f64(2.2)).mul_f64((1.0 + DRIFT) / (1.0 - DRIFT))
+            + Duration::from_millis(200)
+    }
+
+    fn check(&mut self, check_at: T, run_end: T) {
+        let mut ivs = self.intervals.clone();
+        ivs.sort_by_key(|i| i.start);
+        for w in ivs.windows(2) {
+            if w[1].token <= w[0].token {
+                self.fail(format!(
+                    "fencing token did not increase: {} had {} from {:?}, then {} got {} at {:?}",
+                    w[0].identity, w[0].token, w[0].start, w[1].identity, w[1].token, w[1].start
+                ));
+                return;
+            }
+        }
+        let voided = ivs.iter().filter(|iv| iv.voided).count();
+        ivs.retain(|iv| !iv.voided);
+        let _ = voided;
+        let mut prev: Option<Interval> = None;
+        for iv in &ivs {
+            if let Some(p) = &prev {
+                let pend = p.effective_end(run_end);
+                if iv.start < pend {
+                    self.fail(format!(
+                        "two valid terms overlap: {} (token {}) valid {:?}..{:?} and {} (token {}) from {:?}",
+                        p.identity, p.token, p.start, pend, iv.identity, iv.token, iv.start
+                    ));
+                    return;
+                }
+                if iv.token <= p.token {
+                    self.fail(format!(
+                        "fencing token did not increase: {} had {} from {:?}, then {} got {} at {:?}",
+                        p.identity, p.token, p.start, iv.identity, iv.token, iv.start
+                    ));
+                    return;
+                }
+            }
+            if prev
+                .as_ref()
+                .is_none_or(|p| iv.effective_end(run_end) > p.effective_end(run_end))
+            {
+                prev = Some(iv.clone());
+            }
+        }
+        let leading = ivs
+            .iter()
+            .any(|iv| iv.start <= check_at && check_at < iv.effective_end(run_end));
+        if !leading {
+            self.fail(format!(
+                "nobody leads at {check_at:?}, {:?} after the faults stopped at {:?}",
+                self.liveness_bound(),
+                self.faults_until
+            ));
+        }
+    }
+
+    fn dispatch(&mut self, n: usize, ev: Ev) {
+        match ev {
+            Ev::Start => return self.start(n),
+            Ev::VersionOnly => {
+                if let Some((Stored::Record(r), _)) = self.store.cur.clone() {
+                    self.log(|| "chaos: a foreign write changes only the version".into());
+                    self.store_write(Some(Stored::Record(r)));
+                }
+                return;
+            }
+            Ev::Delete => {
+                self.log(|| "chaos: the record is deleted (data loss)".into());
+                self.void_valid_terms();
+                self.store_write(None);
+                return;
+            }
+            Ev::Corrupt => {
+                self.log(|| "chaos: corrupt data is written".into());
+                self.void_valid_terms();
+                self.store_write(Some(Stored::Corrupt));
+                return;
+            }
+            Ev::Commit { req, op, fate, inc } => return self.commit(n, inc, req, op, fate),
+            _ => {}
+        }
+        if self.nodes[n].machine.is_none() {
+            return; // crashed or stopped: nothing is delivered any more
+        }
+        if let Ev::Pause { dur } = ev {
+            let until = self.now + dur;
+            if until > self.nodes[n].paused_until {
+                let id = self.nodes[n].identity.clone();
+                self.log(|| format!("chaos: {id} paused for {dur:?}"));
+                self.nodes[n].paused_until = until;
+                self.push_own(until, n, Ev::Resume);
+            }
+            return;
+        }
+        if let Ev::Crash = ev {
+            self.crash(n);
+            return;
+        }
+        if self.now < self.nodes[n].paused_until {
+            if !matches!(ev, Ev::Resume) {
+                self.nodes[n].deferred.push_back(ev);
+            }
+            return;
+        }
+        if let Ev::Resume = ev {
+            let id = self.nodes[n].identity.clone();
+            self.log(|| format!("{id} resumes"));
+            while let Some(ev) = self.nodes[n].deferred.pop_front() {
+                if self.deliver(n, ev) {
+                    // Outputs are handled in order, before the next deferred input.
+                    self.after(n);
+                }
+                if self.nodes[n].machine.is_none() {
+                    break;
+                }
+            }
+            self.after(n);
+            return;
+        }
+        if self.deliver(n, ev) && self.nodes[n].machine.is_some() {
+            self.after(n);
+        }
+    }
+
+    fn start(&mut self, n: usize) {
+        let inc = self.nodes[n].incarnation + 1;
+        let reuse = inc > 1 && self.rng.chance(0.3);
+        let identity = if reuse {
+            self.nodes[n].identity.clone()
+        } else {
+            format!("n{n}-{inc}")
+        };
+        let rate = 1.0 + DRIFT * (2.0 * self.rng.f64() - 1.0);
+        let local0 =
+            Duration::from_secs(1000) + self.rng.dur(Duration::ZERO, Duration::from_secs(500));
+        let wall_skew = self.rng.dur(Duration::ZERO, Duration::from_secs(7200));
+        {
+            let node = &mut self.nodes[n];
+            node.identity = identity.clone();
+            node.incarnation = inc;
+            node.rate = rate;
+            node.local0 = local0;
+            node.t0 = self.now;
+            node.wall_skew = wall_skew;
+            node.paused_until = Duration::ZERO;
+            node.deferred.clear();
+            node.watch = None;
+            node.interval = None;
+            node.waiting = None;
+        }
+        let cfg = ElectorConfig::new(key(), identity.clone())
+            .with_timings(LEASE, RENEW, RETRY)
+            .with_drain_timeout(DRAIN);
+        let seed = self.rng.next_u64();
+        let now = self.now_of(n);
+        let m = Machine::new(cfg, self.profile.can_watch, seed, now).expect("valid config");
+        self.nodes[n].machine = Some(m);
+        self.log(|| format!("{identity} starts (clock rate {rate:.4})"));
+        self.after(n);
+    }
+
+    fn crash(&mut self, n: usize) {
+        let identity = self.nodes[n].identity.clone();
+        self.log(|| format!("chaos: {identity} crashes"));
+        if let Some(i) = self.nodes[n].interval.take() {
+            let now = self.now;
+            let iv = &mut self.intervals[i];
+            iv.end = Some(iv.end.unwrap_or(now).min(now));
+        }
+        self.nodes[n].machine = None;
+        self.nodes[n].watch = None;
+        let at = self.now + self.rng.dur(Duration::ZERO, Duration::from_secs(3));
+        self.faults_until = self.faults_until.max(at);
+        self.push(at, n, Ev::Start);
+    }
+
+    /// Delivers one input to node `n`'s machine; false when it was not for the machine (stale).
+    fn deliver(&mut self, n: usize, ev: Ev) -> bool {
+        let now = self.now_of(n);
+        let identity = self.nodes[n].identity.clone();
+        match ev {
+            Ev::Timer { generation } => {
+                if generation != self.nodes[n].timer_gen {
+                    return false;
+                }
+                self.log(|| format!("{identity} timer"));
+                self.machine(n).handle_timeout(now);
+            }
+            Ev::Reply { req, result } => {
+                if self.nodes[n].waiting != Some(req) {
+                    return false; // already answered (or timed out) once
+                }
+                self.nodes[n].waiting = None;
+                self.log(|| format!("{identity} <- {req:?} {}", short(&result)));
+                self.machine(n).handle_reply(now, req, result);
+            }
+            Ev::WatchOpen { id, after, ok } => {
+                let current = matches!(&self.nodes[n].watch, Some(w) if w.id == id && !w.open);
+                if !current {
+                    return false;
+                }
+                if ok {
+                    self.log(|| format!("{identity} watch {id:?} open after {after:?}"));
+                    if let Some(w) = &mut self.nodes[n].watch {
+                        w.open = true;
+                    }
+                    self.machine(n).handle_watch_opened(now, id, Ok(()));
+                    // The backlog: what changed after `after` (the register keeps only the
+                    // latest state, so missed changes coalesce into it, as the contract allows).
+                    let cur = self.store.version();
+                    let backlog = match (&after, cur) {
+                        (None, Some(_)) => self.store.event(),
+                        (Some(a), Some(c)) if Version::from(c) != *a => self.store.event(),
+                        (Some(_), None) => Some(WatchEvent::Deleted),
+                        _ => None,
+                    };
+                    if let Some(ev) = backlog {
+                        let at = self.now;
+                        self.push_own(
+                            at,
+                            n,
+                            Ev::WatchItem {
+                                id,
+                                item: Some(Ok(ev)),
+                            },
+                        );
+                    }
+                } else {
+                    self.log(|| format!("{identity} watch {id:?} fails to open"));
+                    self.nodes[n].watch = None;
+                    self.machine(n)
+                        .handle_watch_opened(now, id, Err(unavailable("watch refused")));
+                }
+            }
+            Ev::WatchTimeout { id } => {
+                let current = matches!(&self.nodes[n].watch, Some(w) if w.id == id && !w.open);
+                if current {
+                    self.nodes[n].watch = None;
+                    self.machine(n).handle_watch_opened(
+                        now,
+                        id,
+                        Err(Error::Timeout {
+                            store: "sim",
+                            operation: "watch",
+                            after: RENEW,
+                        }),
+                    );
+                }
+            }
+            Ev::WatchItem { id, item } => {
+                let current = matches!(&self.nodes[n].watch, Some(w) if w.id == id && w.open);
+                if !current {
+                    return false;
+                }
+                if !matches!(item, Some(Ok(_))) {
+                    self.nodes[n].watch = None;
+                }
+                self.log(|| format!("{identity} watch item {}", short_item(&item)));
+                self.machine(n).handle_watch_item(now, id, item);
+            }
+            Ev::Drained { term } => {
+                if term == self.nodes[n].term_seq {
+                    self.machine(n).handle_tasks_drained(now);
+                }
+            }
+            Ev::Shutdown => {
+                self.log(|| format!("chaos: {identity} shuts down"));
+                self.machine(n).handle_command(now, Command::Shutdown);
+            }
+            Ev::Yield { dur } => {
+                self.log(|| format!("chaos: {identity} yields for {dur:?}"));
+                self.machine(n).handle_command(
+                    now,
+                    Command::Yield {
+                        id: 1,
+                        duration: dur,
+                    },
+                );
+            }
+            Ev::BreakWatch => {
+                let open = self.nodes[n]
+                    .watch
+                    .as_ref()
+                    .filter(|w| w.open)
+                    .map(|w| w.id);
+                if let Some(id) = open {
+                    self.log(|| format!("chaos: {identity}'s watch breaks"));
+                    self.nodes[n].watch = None;
+                    self.machine(n).handle_watch_item(
+                        now,
+                        id,
+                        Some(Err(unavailable("watch broke"))),
+                    );
+                }
+            }
+            _ => return false,
+        }
+        true
+    }
+
+    fn machine(&mut self, n: usize) -> &mut Machine {
+        self.nodes[n].machine.as_mut().expect("a live node")
+    }
+
+    /// Drains node `n`'s outputs and re-arms its timer.
+    fn after(&mut self, n: usize) {
+        loop {
+            let Some(m) = self.nodes[n].machine.as_mut() else {
+                return;
+            };
+            let Some(out) = m.poll_output() else { break };
+            self.output(n, out);
+        }
+        let Some(m) = self.nodes[n].machine.as_ref() else {
+            return;
+        };
+        let wake = m.poll_timeout();
+        self.nodes[n].timer_gen += 1;
+        let generation = self.nodes[n].timer_gen;
+        if let Some(i) = wake {
+            let at = self.true_of(n, i);
+            self.push_own(at, n, Ev::Timer { generation });
+        }
+    }
+
+    fn output(&mut self, n: usize, out: Output) {
+        let identity = self.nodes[n].identity.clone();
+        match out {
+            Output::Request(req) => {
+                self.nodes[n].waiting = Some(req.id);
+                let write = matches!(req.op, Op::Create(_) | Op::Update { .. });
+                let fate = self.fate(write);
+                self.log(|| {
+                    format!(
+                        "{identity} -> {:?} {} ({fate:?})",
+                        req.id,
+                        short_op(&req.op)
+                    )
+                });
+                let deadline = self.true_of(n, req.deadline);
+                // The driver reports a timeout at the deadline unless a reply came first.
+                self.push_own(
+                    deadline,
+                    n,
+                    Ev::Reply {
+                        req: req.id,
+                        result: Err(Error::Timeout {
+                            store: "sim",
+                            operation: "request",
+                            after: RENEW,
+                        }),
+                    },
+                );
+                if fate != Fate::LostBeforeCommit {
+                    let at = self.now + self.latency();
+                    let inc = self.nodes[n].incarnation;
+                    self.push(
+                        at,
+                        n,
+                        Ev::Commit {
+                            req: req.id,
+                            op: req.op,
+                            fate,
+                            inc,
+                        },
+                    );
+                }
+            }
+            Output::OpenWatch {
+                id,
+                after,
+                deadline,
+            } => {
+                let broken = self.now < self.nodes[n].watch_broken_until;
+                let refused = !self.healthy && self.rng.chance(self.profile.p_watch_fail);
+                let ok = !broken && !refused;
+                self.nodes[n].watch = Some(SimWatch {
+                    id,
+                    open: false,
+                    last: self.now,
+                });
+                let at = self.now + self.latency();
+                let deadline = self.true_of(n, deadline);
+                self.push_own(at, n, Ev::WatchOpen { id, after, ok });
+                self.push_own(deadline, n, Ev::WatchTimeout { id });
+            }
+            Output::CloseWatch => {
+                self.nodes[n].watch = None;
+            }
+            Output::Leading {
+                fencing_token,
+                valid_until,
+            } => {
+                let valid_until = self.true_of(n, valid_until);
+                self.log(|| {
+                    format!("{identity} LEADS token {fencing_token} valid until {valid_until:?}")
+                });
+                let voided = self
+                    .lost
+                    .iter()
+                    .any(|(h, t)| *h == identity && *t == fencing_token);
+                let now = self.now;
+                let clash = self
+                    .intervals
+                    .iter()
+                    .find(|iv| !iv.voided && iv.end.is_none_or(|e| e > now) && iv.valid_until > now)
+                    .cloned();
+                if let Some(iv) = clash.filter(|_| !voided) {
+                    self.fail(format!(
+                        "two valid terms overlap: {} (token {}) is valid until {:?} when {identity} starts a term with token {fencing_token}",
+                        iv.identity, iv.token, iv.valid_until.min(iv.end.unwrap_or(iv.valid_until))
+                    ));
+                }
+                if let Some(max) = self.intervals.iter().map(|iv| iv.token).max()
+                    && fencing_token <= max
+                {
+                    self.fail(format!(
+                        "fencing token did not increase: {identity} starts a term with token {fencing_token}, an earlier term had {max}"
+                    ));
+                }
+                self.intervals.push(Interval {
+                    node: n,
+                    identity: identity.clone(),
+                    token: fencing_token,
+                    start: self.now,
+                    valid_until,
+                    end: None,
+                    voided,
+                });
+                self.nodes[n].interval = Some(self.intervals.len() - 1);
+            }
+            Output::Renewed { valid_until } => {
+                let v = self.true_of(n, valid_until);
+                if let Some(i) = self.nodes[n].interval {
+                    if self.now >= self.intervals[i].valid_until {
+                        self.fail(format!(
+                            "{identity}'s term (token {}) was renewed at {:?}, after its validity ended at {:?}",
+                            self.intervals[i].token, self.now, self.intervals[i].valid_until
+                        ));
+                    }
+                    self.intervals[i].valid_until = self.intervals[i].valid_until.max(v);
+                }
+            }
+            Output::TermEnded { cause } => {
+                self.log(|| format!("{identity} term ended: {cause:?}"));
+                self.nodes[n].term_seq += 1;
+                let term = self.nodes[n].term_seq;
+                let drain = if self.healthy || self.rng.chance(0.8) {
+                    self.rng.dur(Duration::ZERO, Duration::from_millis(300))
+                } else {
+                    self.rng.dur(Duration::ZERO, DRAIN * 2)
+                };
+                let at = self.now + drain;
+                self.push_own(at, n, Ev::Drained { term });
+            }
+            Output::Revoked => {
+                self.log(|| format!("{identity} term revoked"));
+                if let Some(i) = self.nodes[n].interval.take() {
+                    let now = self.now;
+                    let iv = &mut self.intervals[i];
+                    iv.end = Some(now);
+                }
+            }
+            Output::Following { leader } => {
+                self.log(|| format!("{identity} follows {leader:?}"));
+            }
+            Output::YieldDone { .. } => {}
+            Output::Stopped => {
+                self.log(|| format!("{identity} stopped"));
+                if let Some(i) = self.nodes[n].interval.take() {
+                    let now = self.now;
+                    let iv = &mut self.intervals[i];
+                    iv.end = Some(iv.end.unwrap_or(now).min(now));
+                }
+                self.nodes[n].machine = None;
+                self.nodes[n].watch = None;
+                let at = self.now + self.rng.dur(Duration::ZERO, Duration::from_secs(2));
+                self.faults_until = self.faults_until.max(at);
+                self.push(at, n, Ev::Start);
+            }
+            _ => {}
+        }
+    }
+
+    fn commit(&mut self, n: usize, inc: u64, req: RequestId, op: Op, fate: Fate) {
+        let (result, change) = self.store.apply(&op);
+        if let Some(change) = change {
+            self.notify(change.is_some());
+        }
+        let identity = self.nodes[n].identity.clone();
+        self.log(|| {
+            format!(
+                "store: {identity}'s {req:?} {} commits: {}",
+                short_op(&op),
+                short(&result)
+            )
+        });
+        let result = match fate {
+            Fate::Normal => Some(result),
+            Fate::LostReply | Fate::LostBeforeCommit => None,
+            Fate::ErrorAfterCommit => Some(Err(unavailable("connection reset after the write"))),
+            Fate::Replay => {
+                if result.is_ok() {
+                    // The client retried a write that had landed: the retry reports a conflict.
+                    let (again, change) = self.store.apply(&op);
+                    if let Some(change) = change {
+                        self.notify(change.is_some());
+                    }
+                    Some(again)
+                } else {
+                    Some(result)
+                }
+            }
+        };
+        if let Some(result) = result {
+            let at = self.now + self.latency();
+            self.push_inc(at, n, inc, Ev::Reply { req, result });
+        }
+    }
+
+    /// The record is about to be lost: the term written in it (running, or acknowledged later)
+    /// is voided by data loss.
+    fn void_valid_terms(&mut self) {
+        let Some((Stored::Record(r), _)) = &self.store.cur else {
+            return;
+        };
+        let lost = (r.holder_identity.clone(), r.transitions);
+        for iv in &mut self.intervals {
+            if (iv.identity.clone(), iv.token) == lost {
+                iv.voided = true;
+            }
+        }
+        self.lost.push(lost);
+    }
+
+    fn store_write(&mut self, v: Option<Stored>) {
+        let present = v.is_some();
+        self.store.write(v);
+        self.notify(present);
+    }
+
+    /// Schedules the current state for every open watch, in order per watch.
+    fn notify(&mut self, _present: bool) {
+        let Some(ev) = self.store.event() else { return };
+        for n in 0..self.nodes.len() {
+            let Some(w) = &self.nodes[n].watch else {
+                continue;
+            };
+            if !w.open {
+                continue;
+            }
+            let id = w.id;
+            let lat = self.latency();
+            let w = self.nodes[n].watch.as_mut().expect("checked");
+            let at = (self.now + lat).max(w.last);
+            w.last = at;
+            self.push_own(
+                at,
+                n,
+                Ev::WatchItem {
+                    id,
+                    item: Some(Ok(ev.clone())),
+                },
+            );
+        }
+    }
+}
+
+fn short(r: &Result<Reply, Error>) -> String {
+    match r {
+        Ok(Reply::Record(Some(v))) => format!(
+            "record holder={:?} token={} v={}",
+            v.record.holder_identity, v.record.transitions, v.version
+        ),
+        Ok(Reply::Record(None)) => "absent".into(),
+        Ok(Reply::Written(v)) => format!("written v={v}"),
+        Ok(Reply::Seed(s)) => format!("seed {s}"),
+        Ok(other) => format!("{other:?}"),
+        Err(e) => format!("error: {e}"),
+    }
+}
+
+fn short_op(op: &Op) -> String {
+    match op {
+        Op::Get => "get".into(),
+        Op::FencingSeed => "fencing-seed".into(),
+        Op::Create(r) => format!(
+            "create holder={:?} token={}",
+            r.holder_identity, r.transitions
+        ),
+        Op::Update { record, expected } => format!(
+            "update holder={:?} token={} expected={}",
+            record.holder_identity, record.transitions, expected
+        ),
+        other => format!("{other:?}"),
+    }
+}
+
+fn short_item(i: &Option<Result<WatchEvent, Error>>) -> String {
+    match i {
+        Some(Ok(WatchEvent::Put(v))) => format!(
+            "put holder={:?} token={} v={}",
+            v.record.holder_identity, v.record.transitions, v.version
+        ),
+        Some(Ok(other)) => format!("{other:?}"),
+        Some(Err(e)) => format!("error: {e}"),
+        None => "end".into(),
+    }
+}
+
+/// Runs `seed` with tracing and renders a failure report.
+pub fn report(seed: u64, profile: Option<Profile>) -> String {
+    let out = Sim::new(seed, profile, true).run();
+    let mut s = String::new();
+    let _ = writeln!(
+        s,
+        "simulator seed {seed}: {}",
+        out.violation.as_deref().unwrap_or("no violation on replay")
+    );
+    let _ = writeln!(
+        s,
+        "reproduce with: LEASEHOLD_SIM_SEED={seed} cargo test --test simulator -- --nocapture"
+    );
+    let _ = writeln!(s, "last events before it:");
+    for line in out.trace.iter().rev().take(150).rev() {
+        let _ = writeln!(s, "  {line}");
+    }
+    s
+}
