@@ -521,3 +521,100 @@ async fn the_fencing_seed_exceeds_every_revision_seen() {
     let v1 = store.create(&k, &record("b", seed)).await.unwrap();
     assert!(store.fencing_seed(&k).await.unwrap() > revision(&v1).unwrap() as u64);
 }
+
+/// A TCP proxy to `target` that cuts every connection `after` it was accepted, and counts the
+/// connections it accepted.
+struct CuttingProxy {
+    addr: std::net::SocketAddr,
+    accepted: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl CuttingProxy {
+    async fn start(target: std::net::SocketAddr, after: Duration) -> Self {
+        use std::sync::atomic::Ordering;
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let accepted = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let count = accepted.clone();
+        let task = tokio::spawn(async move {
+            while let Ok((mut inbound, _)) = listener.accept().await {
+                count.fetch_add(1, Ordering::SeqCst);
+                tokio::spawn(async move {
+                    let Ok(mut outbound) = tokio::net::TcpStream::connect(target).await else {
+                        return;
+                    };
+                    let relay = tokio::io::copy_bidirectional(&mut inbound, &mut outbound);
+                    // Dropping both sockets when the time is up cuts the connection.
+                    let _ = tokio::time::timeout(after, relay).await;
+                });
+            }
+        });
+        CuttingProxy {
+            addr,
+            accepted,
+            task,
+        }
+    }
+
+    fn accepted(&self) -> usize {
+        self.accepted.load(std::sync::atomic::Ordering::SeqCst)
+    }
+}
+
+impl Drop for CuttingProxy {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+#[tokio::test]
+async fn a_watch_whose_streams_end_at_once_reopens_with_backoff() {
+    let eps = shared_endpoints().await;
+    let target: std::net::SocketAddr = eps[0]
+        .trim_start_matches("http://")
+        .parse()
+        .expect("the shared endpoint is http://<ip>:<port>");
+    // Every connection through the proxy (and so every watch stream on it) ends soon after
+    // it was opened, having delivered nothing: the condition that made the old code reopen
+    // in a tight loop.
+    let proxy = CuttingProxy::start(target, Duration::from_millis(150)).await;
+    let prefix = unique_prefix();
+    let direct = EtcdStore::connect(EtcdConfig::new(eps).with_prefix(prefix.clone()))
+        .await
+        .unwrap();
+    let k = key("cut");
+    let v = direct.create(&k, &record("a", 1)).await.unwrap();
+    let via = EtcdStore::connect(
+        EtcdConfig::new([format!("http://{}", proxy.addr)])
+            .with_prefix(prefix)
+            .with_operation_timeout(Duration::from_secs(1)),
+    )
+    .await
+    .unwrap();
+    let mut w = via.watch(&k, Some(&v)).await.unwrap();
+    // Consume the stream (reopen failures arrive as retryable errors; nothing else may).
+    let consumer = tokio::spawn(async move {
+        while let Some(item) = w.next().await {
+            if let Err(e) = item {
+                assert!(e.is_retryable(), "{e:?}");
+            }
+        }
+    });
+    let before = proxy.accepted();
+    // Count reopen attempts over a window: without backoff every cut is followed by a new
+    // connection at once (about 40 in 6 s); with it the waits grow to 2 s (about 10).
+    tokio::time::sleep(Duration::from_secs(6)).await;
+    let reopened = proxy.accepted() - before;
+    assert!(!consumer.is_finished(), "the watch stream ended");
+    consumer.abort();
+    eprintln!("{reopened} connections through the cutting proxy in the window");
+    assert!(
+        reopened >= 2,
+        "the proxy did not cut the watch ({reopened})"
+    );
+    assert!(
+        reopened <= 20,
+        "{reopened} reopen attempts: the watch reopens without backing off"
+    );
+}
