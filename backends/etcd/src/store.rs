@@ -318,6 +318,10 @@ const MAX_CONNECT_RETRIES: u32 = 8;
 /// Whether the call failed before reaching any server (the connection could not be made), so
 /// repeating it cannot apply a write twice.
 fn is_connect_error(e: &etcd_client::Error) -> bool {
+    if crate::error::certificate_hint(&crate::error::chain(e)).is_some() {
+        // Another endpoint will not trust the configured CA any better.
+        return false;
+    }
     match e {
         etcd_client::Error::TransportError(_) => true,
         etcd_client::Error::GRpcStatus(s) if s.code() as i32 == 14 => {
