@@ -58,9 +58,22 @@ impl EtcdConfig {
     }
 
     /// The etcd key prefix under which records are stored (`<prefix><lease key>`). Give each
-    /// application its own prefix; it should end with a separator such as `/`.
+    /// application its own prefix.
+    ///
+    /// A prefix that does not end with `/` gets one appended, so that prefixes cannot overlap:
+    /// `/app` becomes `/app/`, and its keys never mix with those of `/app-x` (`/app-x/`) or
+    /// `/app1` (`/app1/`).
+    ///
+    /// ```
+    /// let config = leasehold_etcd::EtcdConfig::new(["http://127.0.0.1:2379"]).with_prefix("/app");
+    /// assert_eq!(config.prefix(), "/app/");
+    /// ```
     pub fn with_prefix(mut self, prefix: impl Into<String>) -> Self {
-        self.prefix = prefix.into();
+        let mut prefix = prefix.into();
+        if !prefix.is_empty() && !prefix.ends_with('/') {
+            prefix.push('/');
+        }
+        self.prefix = prefix;
         self
     }
 
@@ -103,7 +116,7 @@ impl EtcdConfig {
         self
     }
 
-    /// The configured key prefix.
+    /// The key prefix, ending with `/`.
     pub fn prefix(&self) -> &str {
         &self.prefix
     }

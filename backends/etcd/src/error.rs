@@ -171,8 +171,65 @@ pub(crate) fn is_transport_message(message: &str) -> bool {
         || m.contains("handshake")
 }
 
+/// What to fix when `message` (an error with its sources) says that the TLS handshake failed
+/// over a certificate; `None` for any other failure.
+pub(crate) fn certificate_hint(message: &str) -> Option<&'static str> {
+    let m = message.to_ascii_lowercase();
+    if m.contains("invalid peer certificate") {
+        return Some(
+            if m.contains("unknownissuer") || m.contains("badsignature") || m.contains("unknown ca")
+            {
+                "the server's certificate is not trusted by the configured CA: check the CA \
+                 certificate given to TlsConfig::with_ca_pem (it must be the CA that signed the \
+                 server's certificate)"
+            } else if m.contains("not valid for name") || m.contains("notvalidforname") {
+                "the server's certificate does not name the host in the endpoint: use a host \
+                 name or IP address the certificate lists, or set TlsConfig::with_domain_name"
+            } else if m.contains("expired") || m.contains("not valid yet") {
+                "the server's certificate is outside its validity period: renew it (or check \
+                 this machine's clock)"
+            } else {
+                "the server's certificate was rejected: check the CA certificate given to \
+                 TlsConfig::with_ca_pem and the server's certificate"
+            },
+        );
+    }
+    let alert = m.contains("received fatal alert")
+        && [
+            "certificaterequired",
+            "badcertificate",
+            "unknownca",
+            "certificateunknown",
+            "unsupportedcertificate",
+            "certificateexpired",
+            "certificaterevoked",
+        ]
+        .iter()
+        .any(|a| m.contains(a));
+    alert.then_some(
+        "the server rejected this client's certificate: configure a client certificate and key \
+         signed by a CA the server trusts with TlsConfig::with_client_identity_pem",
+    )
+}
+
+/// A certificate failure: never retryable (retrying cannot fix it), with what to fix.
+fn certificate_error(operation: &'static str, hint: &str, message: &str) -> leasehold::Error {
+    leasehold::Error::Store {
+        store: STORE,
+        message: format!("{operation}: TLS handshake failed: {hint} ({message})"),
+        retryable: false,
+        source: None,
+    }
+}
+
 /// Maps an `etcd-client` error onto a leasehold error.
 pub(crate) fn from_client(operation: &'static str, e: ClientError) -> leasehold::Error {
+    if !matches!(e, ClientError::GRpcStatus(_)) {
+        let full = chain(&e);
+        if let Some(hint) = certificate_hint(&full) {
+            return certificate_error(operation, hint, &full);
+        }
+    }
     match e {
         ClientError::GRpcStatus(status) => {
             // Connection-level failures come as a status whose source says what went wrong
@@ -183,6 +240,9 @@ pub(crate) fn from_client(operation: &'static str, e: ClientError) -> leasehold:
                 if !message.contains(&detail) {
                     message = format!("{message}: {detail}");
                 }
+            }
+            if let Some(hint) = certificate_hint(&message) {
+                return certificate_error(operation, hint, &message);
             }
             let code = status.code() as i32;
             let code = if code == grpc::UNKNOWN && is_transport_message(&message) {
@@ -263,5 +323,39 @@ mod tests {
             "{e:?}"
         );
         assert!(!e.is_retryable());
+    }
+
+    #[test]
+    fn certificate_failures_say_what_to_fix() {
+        for (text, fix) in [
+            (
+                "transport error: invalid peer certificate: UnknownIssuer",
+                "with_ca_pem",
+            ),
+            (
+                "invalid peer certificate: certificate not valid for name \"etcd\"; certificate is only valid for localhost",
+                "with_domain_name",
+            ),
+            (
+                "invalid peer certificate: certificate expired: verification time 2 (UNIX), but certificate is not valid after 1 (1 seconds ago)",
+                "renew",
+            ),
+            (
+                "connection error: received fatal alert: CertificateRequired",
+                "with_client_identity_pem",
+            ),
+        ] {
+            let hint = certificate_hint(text).unwrap_or_else(|| panic!("no hint for {text}"));
+            assert!(hint.contains(fix), "{hint}");
+            let e = certificate_error("get", hint, text);
+            assert!(!e.is_retryable(), "{e}");
+        }
+        for text in [
+            "transport error: tcp connect error: Connection refused",
+            "received fatal alert: InternalError",
+            "etcdserver: no leader",
+        ] {
+            assert_eq!(certificate_hint(text), None, "{text}");
+        }
     }
 }

@@ -15,8 +15,9 @@
 //!
 //! # How records are kept
 //!
-//! - A lease `key` is the etcd key `<prefix><key>` (default prefix `/leasehold/`); the value is
-//!   the JSON record of [`leasehold::codec`] (client-go's `LeaderElectionRecord`).
+//! - A lease `key` is the etcd key `<prefix><key>` (default prefix `/leasehold/`; a prefix
+//!   always ends with `/`, see [`EtcdConfig::with_prefix`]); the value is the JSON record of
+//!   [`leasehold::codec`] (client-go's `LeaderElectionRecord`).
 //! - The [`Version`](leasehold::Version) is the key's `mod_revision`.
 //! - `create` is a transaction comparing `create_revision == 0`; `update` and `delete` compare
 //!   `mod_revision == expected` and, when the compare fails, read the key in the same
@@ -39,7 +40,9 @@
 //! restart, lost leader, connection reset) it resumes from the next undelivered revision on any
 //! reachable member. Nothing at or below the last delivered revision is delivered again, so an
 //! older state never follows a newer one. A failed resumption is delivered as a retryable `Err`
-//! item (and retried with backoff); a permission error ends the stream.
+//! item (and retried with backoff); a permission or certificate error ends the stream. Reopening
+//! backs off with jitter (50 ms doubling to 2 s) while new streams keep failing or ending at
+//! once without delivering anything; events pass through a bounded buffer.
 //!
 //! # Fencing
 //!
@@ -50,13 +53,20 @@
 //! write's `mod_revision` ([`revision`] parses it), and
 //! [`EtcdStore::acquisition_revision`] gives the revision of the write that acquired a term.
 //!
+//! [`LeaseStore::fencing_seed`](leasehold::LeaseStore::fencing_seed) is the cluster revision
+//! plus one, read from a linearizable read's response header: it never goes backwards and
+//! exceeds every revision written before, so a record created after a delete starts above
+//! every earlier token.
+//!
 //! # Failures and timeouts
 //!
 //! Every operation is bounded by the operation timeout ([`leasehold::Error::Timeout`]).
 //! Connection failures, "no leader" and "leader changed" are
 //! [`leasehold::Error::Unavailable`] (retryable). Wrong credentials are
 //! [`leasehold::Error::Unauthenticated`], missing permissions
-//! [`leasehold::Error::PermissionDenied`], each with a hint on what to fix. The client uses
+//! [`leasehold::Error::PermissionDenied`], each with a hint on what to fix. A server
+//! certificate that does not verify is a non-retryable [`leasehold::Error::Store`] naming the
+//! setting to fix (retrying cannot help). The client uses
 //! etcd's "require leader" mode, so a member that lost quorum fails requests and watches
 //! instead of serving stale data, and HTTP/2 keep-alive pings, so a hung member is noticed.
 //!

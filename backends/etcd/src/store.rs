@@ -48,9 +48,19 @@ pub struct EtcdStore {
     pub(crate) prefix: String,
     pub(crate) timeout: Duration,
     config: EtcdConfig,
-    /// Per key: the `transitions` of the last record this store wrote and the revision of the
-    /// first write that carried it (the acquiring write).
-    acquisitions: Arc<Mutex<HashMap<LeaseKey, (u64, i64)>>>,
+    /// Per key: the term of the last record this store wrote.
+    acquisitions: Arc<Mutex<HashMap<LeaseKey, Term>>>,
+}
+
+/// The term of the last record a store wrote under one key.
+#[derive(Clone, Copy, Debug)]
+struct Term {
+    /// The record's `transitions`; `None` once the store deleted the key.
+    transitions: Option<u64>,
+    /// The revision of the write that started the chain of writes carrying `transitions`.
+    acquired: i64,
+    /// The revision of the latest write in that chain (or of the delete).
+    last: i64,
 }
 
 /// Parses a [`Version`] from this store as the etcd revision it is (the record's
@@ -119,8 +129,11 @@ impl EtcdStore {
     }
 
     /// The etcd revision of the write that acquired the term with fencing token `transitions`
-    /// on `key`, if this store (or a clone of it) wrote it: the first write it made carrying
-    /// that `transitions` value. Strictly increasing across terms, like `ETCD_LOCK_REV`.
+    /// on `key`, if this store (or a clone of it) wrote it: the first of an unbroken chain of
+    /// writes it made carrying that `transitions` value (a create, or an update of a version it
+    /// did not write itself). Strictly increasing across terms, like `ETCD_LOCK_REV`. A delete
+    /// through this store ends the term, so a record created afterwards with the same
+    /// `transitions` gets the revision of its own creation.
     ///
     /// ```no_run
     /// # async fn demo(store: leasehold_etcd::EtcdStore, elector: leasehold::Elector) {
@@ -134,19 +147,61 @@ impl EtcdStore {
     /// ```
     pub fn acquisition_revision(&self, key: &LeaseKey, transitions: u64) -> Option<i64> {
         let map = self.acquisitions.lock().unwrap_or_else(|e| e.into_inner());
-        match map.get(key) {
-            Some((t, rev)) if *t == transitions => Some(*rev),
-            _ => None,
+        map.get(key)
+            .filter(|t| t.transitions == Some(transitions))
+            .map(|t| t.acquired)
+    }
+
+    /// Notes a successful write of `record` at `version`. `expected` is the version the write
+    /// replaced (`None` for a create). The write continues the current term only when it
+    /// replaced this store's own latest write and carries the same `transitions`; any other
+    /// write (a create, a write over someone else's record) starts a new term at its revision.
+    /// Notes arrive in any order from concurrent calls; one older than the latest noted write
+    /// or delete is ignored (etcd's revisions order them).
+    fn note_write(
+        &self,
+        key: &LeaseKey,
+        record: &LeaseRecord,
+        expected: Option<&Version>,
+        version: &Version,
+    ) {
+        let Some(rev) = revision(version) else { return };
+        let replaced = expected.and_then(revision);
+        let mut map = self.acquisitions.lock().unwrap_or_else(|e| e.into_inner());
+        match map.get_mut(key) {
+            Some(t) if t.last >= rev => {}
+            Some(t) if t.transitions == Some(record.transitions) && Some(t.last) == replaced => {
+                t.last = rev;
+            }
+            _ => {
+                map.insert(
+                    key.clone(),
+                    Term {
+                        transitions: Some(record.transitions),
+                        acquired: rev,
+                        last: rev,
+                    },
+                );
+            }
         }
     }
 
-    fn note_write(&self, key: &LeaseKey, record: &LeaseRecord, version: &Version) {
-        let Some(rev) = revision(version) else { return };
+    /// Ends the term of `key`: the store deleted it at revision `rev`, so a record created
+    /// later starts a new term even when it carries the same `transitions`.
+    fn note_delete(&self, key: &LeaseKey, rev: i64) {
         let mut map = self.acquisitions.lock().unwrap_or_else(|e| e.into_inner());
-        match map.get(key) {
-            Some((t, _)) if *t == record.transitions => {}
+        match map.get_mut(key) {
+            Some(t) if rev <= 0 => t.transitions = None,
+            Some(t) if t.last >= rev => {}
             _ => {
-                map.insert(key.clone(), (record.transitions, rev));
+                map.insert(
+                    key.clone(),
+                    Term {
+                        transitions: None,
+                        acquired: rev,
+                        last: rev,
+                    },
+                );
             }
         }
     }
@@ -263,6 +318,10 @@ const MAX_CONNECT_RETRIES: u32 = 8;
 /// Whether the call failed before reaching any server (the connection could not be made), so
 /// repeating it cannot apply a write twice.
 fn is_connect_error(e: &etcd_client::Error) -> bool {
+    if crate::error::certificate_hint(&crate::error::chain(e)).is_some() {
+        // Another endpoint will not trust the configured CA any better.
+        return false;
+    }
     match e {
         etcd_client::Error::TransportError(_) => true,
         etcd_client::Error::GRpcStatus(s) if s.code() as i32 == 14 => {
@@ -331,7 +390,7 @@ impl LeaseStore for EtcdStore {
             });
         }
         let version = header_version("create", resp.header())?;
-        self.note_write(key, record, &version);
+        self.note_write(key, record, None, &version);
         Ok(version)
     }
 
@@ -344,17 +403,43 @@ impl LeaseStore for EtcdStore {
         let op = TxnOp::put(self.etcd_key(key), codec::encode(record), None);
         let rev = self.cas("update", key, expected, op).await?;
         let version = positive("update", rev)?;
-        self.note_write(key, record, &version);
+        self.note_write(key, record, Some(expected), &version);
         Ok(version)
     }
 
     async fn delete(&self, key: &LeaseKey, expected: &Version) -> Result<()> {
         let op = TxnOp::delete(self.etcd_key(key), None);
-        self.cas("delete", key, expected, op).await.map(|_| ())
+        let rev = self.cas("delete", key, expected, op).await?;
+        self.note_delete(key, rev);
+        Ok(())
     }
 
     async fn watch(&self, key: &LeaseKey, after: Option<&Version>) -> Result<WatchStream> {
         crate::watch::start(self.clone(), key.clone(), after.cloned()).await
+    }
+
+    /// etcd's cluster revision plus one, from the header of a linearizable read of `key`: the
+    /// revision grows with every write to any key and never goes backwards, not across leader
+    /// changes or member restarts either (it is part of the replicated state; only restoring
+    /// a backup taken earlier or recreating the cluster resets it).
+    async fn fencing_seed(&self, key: &LeaseKey) -> Result<u64> {
+        // A count-only read: linearizable (etcd-client's default), no value transferred.
+        let resp = self
+            .bounded("fencing_seed", || {
+                let (mut kv, k) = (self.client.kv_client(), self.etcd_key(key));
+                async move { kv.get(k, Some(GetOptions::new().with_count_only())).await }
+            })
+            .await?;
+        let rev = header_version("fencing_seed", resp.header())?;
+        revision(&rev)
+            .and_then(|r| u64::try_from(r).ok())
+            .and_then(|r| r.checked_add(1))
+            .ok_or_else(|| Error::Store {
+                store: STORE,
+                message: format!("fencing_seed: etcd answered with an unusable revision {rev}"),
+                retryable: false,
+                source: None,
+            })
     }
 
     async fn list(&self, prefix: &KeyPrefix) -> Result<Vec<(LeaseKey, Versioned)>> {

@@ -9,8 +9,13 @@
 //! state if it differs from the last one delivered. Every event carries the key's
 //! `mod_revision`; nothing at or below the last delivered revision is delivered again, so an
 //! older state never follows a newer one. A failed reconnection is delivered as an `Err` item
-//! (retryable ones are then retried with backoff; a permission error ends the stream). The task
-//! ends when the stream is dropped.
+//! (retryable ones are then retried; a permission or certificate error ends the stream). The
+//! task ends when the stream is dropped.
+//!
+//! Reopening backs off with jitter (50 ms doubling to 2 s) after every failed attempt and
+//! after every stream that ended without delivering an event within 2 s, so a server or proxy
+//! that accepts watches and ends them at once is not hammered; after a healthy stream the
+//! first reopen is immediate. Events pass through a bounded buffer of 16 items.
 
 use std::time::Duration;
 
@@ -25,6 +30,58 @@ use crate::store::{EtcdStore, decode_kv, revision};
 
 const MIN_BACKOFF: Duration = Duration::from_millis(50);
 const MAX_BACKOFF: Duration = Duration::from_secs(2);
+/// A stream that lived this long (or delivered an event) was healthy: the next reopen after it
+/// ends is immediate and the backoff starts over.
+const HEALTHY_AFTER: Duration = MAX_BACKOFF;
+/// Items buffered between the background task and the consumer; the task waits when it is
+/// full (etcd then holds further events on its side), so memory stays bounded.
+const BUFFER: usize = 16;
+
+/// Bounded exponential backoff with jitter between reopen attempts: none after a healthy
+/// stream, then 50 ms doubling up to 2 s per consecutive failure (a failed reopen, or a stream
+/// that ended early without delivering anything), each delay drawn from its upper half.
+#[derive(Debug, Default)]
+struct Backoff {
+    failures: u32,
+}
+
+impl Backoff {
+    /// The wait before the next attempt, if any.
+    fn delay(&self) -> Option<Duration> {
+        let n = self.failures.checked_sub(1)?;
+        let cap = MIN_BACKOFF
+            .checked_mul(1u32 << n.min(16))
+            .map_or(MAX_BACKOFF, |d| d.min(MAX_BACKOFF));
+        Some(rand::random_range(cap / 2..=cap))
+    }
+
+    fn failed(&mut self) {
+        self.failures = self.failures.saturating_add(1);
+    }
+
+    fn reset(&mut self) {
+        self.failures = 0;
+    }
+}
+
+/// How the open stream fared, to tell a healthy stream from one that ends at once.
+struct Lifetime {
+    opened: tokio::time::Instant,
+    delivered: bool,
+}
+
+impl Lifetime {
+    fn start() -> Self {
+        Lifetime {
+            opened: tokio::time::Instant::now(),
+            delivered: false,
+        }
+    }
+
+    fn healthy(&self) -> bool {
+        self.delivered || self.opened.elapsed() >= HEALTHY_AFTER
+    }
+}
 
 /// What the consumer has been told so far.
 struct State {
@@ -50,7 +107,7 @@ pub(crate) async fn start(
     key: LeaseKey,
     after: Option<Version>,
 ) -> Result<WatchStream> {
-    let (tx, rx) = mpsc::channel(16);
+    let (tx, rx) = mpsc::channel(BUFFER);
     let mut st = match after.as_ref() {
         Some(v) => match revision(v) {
             Some(rev) => State {
@@ -202,9 +259,16 @@ async fn run(
     mut stream: Option<etcd_client::WatchStream>,
     tx: Tx,
 ) {
-    let mut backoff = MIN_BACKOFF;
+    let mut backoff = Backoff::default();
+    let mut life = Lifetime::start();
     loop {
         let Some(s) = stream.as_mut() else {
+            if let Some(delay) = backoff.delay() {
+                tokio::select! {
+                    _ = tx.closed() => return,
+                    _ = tokio::time::sleep(delay) => {}
+                }
+            }
             let attempt = tokio::select! {
                 _ = tx.closed() => return,
                 r = establish(&store, &key, &mut st, &tx) => r,
@@ -213,7 +277,7 @@ async fn run(
                 Ok(s) => {
                     tracing::debug!(key = %key, from = st.last + 1, "etcd watch resumed");
                     stream = Some(s);
-                    backoff = MIN_BACKOFF;
+                    life = Lifetime::start();
                 }
                 Err(e) => {
                     let retry = e.is_retryable();
@@ -221,11 +285,7 @@ async fn run(
                     if tx.send(Err(e)).await.is_err() || !retry {
                         return;
                     }
-                    tokio::select! {
-                        _ = tx.closed() => return,
-                        _ = tokio::time::sleep(backoff) => {}
-                    }
-                    backoff = (backoff * 2).min(MAX_BACKOFF);
+                    backoff.failed();
                 }
             }
             continue;
@@ -234,52 +294,63 @@ async fn run(
             _ = tx.closed() => return,
             m = s.message() => m,
         };
-        match msg {
+        let ended = match msg {
             Ok(Some(resp)) => {
                 if resp.compact_revision() > 0 {
                     tracing::debug!(key = %key, compact_revision = resp.compact_revision(), "etcd watch fell behind a compaction; re-reading");
                     st.resync = true;
-                    stream = None;
-                    continue;
-                }
-                if resp.canceled() {
+                    true
+                } else if resp.canceled() {
                     let e = canceled(&key, &resp);
                     tracing::debug!(key = %key, error = %e, "etcd watch canceled");
-                    stream = None;
                     if !e.is_retryable() {
                         let _ = tx.send(Err(e)).await;
                         return;
                     }
-                    continue;
-                }
-                for ev in resp.events() {
-                    let Some(kv) = ev.kv() else { continue };
-                    if kv.mod_revision() <= st.last {
-                        continue;
-                    }
-                    st.last = kv.mod_revision();
-                    let item = match ev.event_type() {
-                        EventType::Put => {
-                            st.present = Some(true);
-                            to_event(&key, kv)
+                    true
+                } else {
+                    for ev in resp.events() {
+                        let Some(kv) = ev.kv() else { continue };
+                        if kv.mod_revision() <= st.last {
+                            continue;
                         }
-                        EventType::Delete => {
-                            st.present = Some(false);
-                            WatchEvent::Deleted
+                        st.last = kv.mod_revision();
+                        let item = match ev.event_type() {
+                            EventType::Put => {
+                                st.present = Some(true);
+                                to_event(&key, kv)
+                            }
+                            EventType::Delete => {
+                                st.present = Some(false);
+                                WatchEvent::Deleted
+                            }
+                        };
+                        life.delivered = true;
+                        if tx.send(Ok(item)).await.is_err() {
+                            return;
                         }
-                    };
-                    if tx.send(Ok(item)).await.is_err() {
-                        return;
                     }
+                    false
                 }
             }
             Ok(None) => {
                 tracing::debug!(key = %key, "etcd watch stream ended; resuming");
-                stream = None;
+                true
             }
             Err(e) => {
                 tracing::debug!(key = %key, error = %crate::error::chain(&e), "etcd watch stream broke; resuming");
-                stream = None;
+                true
+            }
+        };
+        if ended {
+            stream = None;
+            // A stream that ends at once without delivering anything (a member that accepts
+            // watches and drops them, a proxy that cuts connections) must not make the task
+            // reopen in a tight loop.
+            if life.healthy() {
+                backoff.reset();
+            } else {
+                backoff.failed();
             }
         }
     }

@@ -378,3 +378,243 @@ fn the_fixture_finds_etcd_here() {
     // This machine has etcd installed (scripts/test installs it); the fixture must find it.
     assert!(common::etcd_binary().is_file());
 }
+
+/// A client-go style record with the given times, as raw JSON.
+fn json_with_times(acquire: &str, renew: &str) -> String {
+    format!(
+        "{{\"holderIdentity\":\"a\",\"leaseDurationSeconds\":15,\"acquireTime\":\"{acquire}\",\"renewTime\":\"{renew}\",\"leaderTransitions\":2}}"
+    )
+}
+
+#[tokio::test]
+async fn get_reads_times_with_utc_offsets_as_the_instant_they_name() {
+    let store = shared_store().await;
+    let mut kv = store.client().kv_client();
+    // 2026-11-29T20:04:19.123456Z, and the same instant with offsets of both signs.
+    let instant = std::time::SystemTime::UNIX_EPOCH + Duration::from_micros(1_795_982_659_123_456);
+    let whole = std::time::SystemTime::UNIX_EPOCH + Duration::from_secs(1_795_982_659);
+    for (name, text, expected) in [
+        ("utc", "2026-11-29T20:04:19.123456Z", instant),
+        ("plus-frac", "2026-11-29T22:04:19.123456+02:00", instant),
+        ("minus-frac", "2026-11-29T15:04:19.123456-05:00", instant),
+        ("plus-whole", "2026-11-29T22:04:19+02:00", whole),
+        ("minus-whole", "2026-11-29T15:04:19-05:00", whole),
+    ] {
+        let k = key(name);
+        kv.put(store.etcd_key(&k), json_with_times(text, text), None)
+            .await
+            .unwrap();
+        let got = store.get(&k).await.unwrap().unwrap().record;
+        assert_eq!(got.acquire_time, Some(expected), "{text}");
+        assert_eq!(got.renew_time, Some(expected), "{text}");
+        assert_eq!(got.transitions, 2);
+    }
+    // An out-of-range time is corrupt data, not a panic.
+    let k = key("far-future");
+    kv.put(
+        store.etcd_key(&k),
+        json_with_times("2026-11-29T20:04:19Z", "99999-01-01T00:00:00Z"),
+        None,
+    )
+    .await
+    .unwrap();
+    assert!(matches!(store.get(&k).await, Err(Error::Corrupt { .. })));
+}
+
+#[tokio::test]
+async fn acquisition_revision_restarts_after_delete_and_recreate() {
+    let store = shared_store().await;
+    let k = key("recreated");
+    let v1 = store.create(&k, &record("a", 1)).await.unwrap();
+    let v2 = store.update(&k, &record("a", 1), &v1).await.unwrap();
+    assert_eq!(store.acquisition_revision(&k, 1), revision(&v1));
+    store.delete(&k, &v2).await.unwrap();
+    assert_eq!(store.acquisition_revision(&k, 1), None);
+
+    // Recreated with the same transitions: a new term, acquired by the new write.
+    let v3 = store.create(&k, &record("b", 1)).await.unwrap();
+    assert_eq!(store.acquisition_revision(&k, 1), revision(&v3));
+    let v4 = store.update(&k, &record("b", 1), &v3).await.unwrap();
+    assert_eq!(store.acquisition_revision(&k, 1), revision(&v3));
+
+    // Someone else (another process) deletes and recreates it; an update of their record
+    // with the same transitions is a new term too, not a renewal of ours.
+    let other = EtcdStore::connect(
+        EtcdConfig::new(shared_endpoints().await).with_prefix(store.prefix().to_owned()),
+    )
+    .await
+    .unwrap();
+    other.delete(&k, &v4).await.unwrap();
+    let v5 = other.create(&k, &record("c", 1)).await.unwrap();
+    let v6 = store.update(&k, &record("b", 1), &v5).await.unwrap();
+    assert_eq!(store.acquisition_revision(&k, 1), revision(&v6));
+    assert!(revision(&v6) > revision(&v3));
+}
+
+#[tokio::test]
+async fn prefixes_without_a_trailing_separator_do_not_overlap() {
+    let eps = shared_endpoints().await;
+    for (a, b, a_key) in [
+        // Without a separator, `/app` + `x-k` and `/appx-` + `k` were the same etcd key.
+        ("/app", "/appx-", "x-k"),
+        ("/app", "/app-x", "x-k"),
+        ("/app", "/app1", "1k"),
+    ] {
+        // A fresh namespace per case, on the shared server.
+        let base = unique_prefix();
+        let base = base.trim_end_matches('/');
+        let (a, b) = (format!("{base}{a}"), format!("{base}{b}"));
+        let connect =
+            |p: String| EtcdStore::connect(EtcdConfig::new(eps.clone()).with_prefix(p.clone()));
+        let sa = connect(a.clone()).await.unwrap();
+        let sb = connect(b.clone()).await.unwrap();
+        assert!(sa.prefix().ends_with('/') && sb.prefix().ends_with('/'));
+        let (ka, kb) = (key(a_key), key("k"));
+        let mut wa = sa.watch(&ka, None).await.unwrap();
+
+        // b writes its key; a sees nothing of it, under any operation.
+        let vb = sb.create(&kb, &record("b", 1)).await.unwrap();
+        assert!(sa.get(&ka).await.unwrap().is_none(), "{a} sees {b}");
+        assert!(
+            sa.list(&KeyPrefix::new("").unwrap())
+                .await
+                .unwrap()
+                .is_empty(),
+            "{a} lists {b}'s keys"
+        );
+        // a's own write is the first thing its watch delivers.
+        let va = sa.create(&ka, &record("a", 1)).await.unwrap();
+        assert_eq!(put_version(&next(&mut wa).await), va);
+        // And b does not see a's key either.
+        assert_eq!(sb.get(&kb).await.unwrap().unwrap().version, vb);
+        let listed = sb.list(&KeyPrefix::new("").unwrap()).await.unwrap();
+        assert_eq!(listed.len(), 1, "{b} lists {a}'s keys: {listed:?}");
+    }
+}
+
+#[tokio::test]
+async fn the_fencing_seed_exceeds_every_revision_seen() {
+    let store = shared_store().await;
+    let (k, elsewhere) = (key("seeded"), key("elsewhere"));
+    let mut seen = Vec::new();
+    let seed0 = store.fencing_seed(&k).await.unwrap();
+    let v1 = store.create(&k, &record("a", 1)).await.unwrap();
+    let v2 = store.update(&k, &record("a", 2), &v1).await.unwrap();
+    seen.extend([revision(&v1).unwrap(), revision(&v2).unwrap()]);
+    assert!(
+        seed0 <= revision(&v1).unwrap() as u64,
+        "the seed is not ahead of writes"
+    );
+    store.delete(&k, &v2).await.unwrap();
+    let mut v = store.create(&elsewhere, &record("x", 1)).await.unwrap();
+    seen.push(revision(&v).unwrap());
+    for i in 2..5 {
+        v = store.update(&elsewhere, &record("x", i), &v).await.unwrap();
+        seen.push(revision(&v).unwrap());
+    }
+    let seed = store.fencing_seed(&k).await.unwrap();
+    for rev in &seen {
+        assert!(seed > *rev as u64, "seed {seed} <= mod_revision {rev}");
+    }
+    // It never goes backwards, and grows with every write.
+    assert!(store.fencing_seed(&k).await.unwrap() >= seed);
+    let v1 = store.create(&k, &record("b", seed)).await.unwrap();
+    assert!(store.fencing_seed(&k).await.unwrap() > revision(&v1).unwrap() as u64);
+}
+
+/// A TCP proxy to `target` that cuts every connection `after` it was accepted, and counts the
+/// connections it accepted.
+struct CuttingProxy {
+    addr: std::net::SocketAddr,
+    accepted: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl CuttingProxy {
+    async fn start(target: std::net::SocketAddr, after: Duration) -> Self {
+        use std::sync::atomic::Ordering;
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let accepted = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let count = accepted.clone();
+        let task = tokio::spawn(async move {
+            while let Ok((mut inbound, _)) = listener.accept().await {
+                count.fetch_add(1, Ordering::SeqCst);
+                tokio::spawn(async move {
+                    let Ok(mut outbound) = tokio::net::TcpStream::connect(target).await else {
+                        return;
+                    };
+                    let relay = tokio::io::copy_bidirectional(&mut inbound, &mut outbound);
+                    // Dropping both sockets when the time is up cuts the connection.
+                    let _ = tokio::time::timeout(after, relay).await;
+                });
+            }
+        });
+        CuttingProxy {
+            addr,
+            accepted,
+            task,
+        }
+    }
+
+    fn accepted(&self) -> usize {
+        self.accepted.load(std::sync::atomic::Ordering::SeqCst)
+    }
+}
+
+impl Drop for CuttingProxy {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+#[tokio::test]
+async fn a_watch_whose_streams_end_at_once_reopens_with_backoff() {
+    let eps = shared_endpoints().await;
+    let target: std::net::SocketAddr = eps[0]
+        .trim_start_matches("http://")
+        .parse()
+        .expect("the shared endpoint is http://<ip>:<port>");
+    // Every connection through the proxy (and so every watch stream on it) ends soon after
+    // it was opened, having delivered nothing: the condition that made the old code reopen
+    // in a tight loop.
+    let proxy = CuttingProxy::start(target, Duration::from_millis(150)).await;
+    let prefix = unique_prefix();
+    let direct = EtcdStore::connect(EtcdConfig::new(eps).with_prefix(prefix.clone()))
+        .await
+        .unwrap();
+    let k = key("cut");
+    let v = direct.create(&k, &record("a", 1)).await.unwrap();
+    let via = EtcdStore::connect(
+        EtcdConfig::new([format!("http://{}", proxy.addr)])
+            .with_prefix(prefix)
+            .with_operation_timeout(Duration::from_secs(1)),
+    )
+    .await
+    .unwrap();
+    let mut w = via.watch(&k, Some(&v)).await.unwrap();
+    // Consume the stream (reopen failures arrive as retryable errors; nothing else may).
+    let consumer = tokio::spawn(async move {
+        while let Some(item) = w.next().await {
+            if let Err(e) = item {
+                assert!(e.is_retryable(), "{e:?}");
+            }
+        }
+    });
+    let before = proxy.accepted();
+    // Count reopen attempts over a window: without backoff every cut is followed by a new
+    // connection at once (about 40 in 6 s); with it the waits grow to 2 s (about 10).
+    tokio::time::sleep(Duration::from_secs(6)).await;
+    let reopened = proxy.accepted() - before;
+    assert!(!consumer.is_finished(), "the watch stream ended");
+    consumer.abort();
+    eprintln!("{reopened} connections through the cutting proxy in the window");
+    assert!(
+        reopened >= 2,
+        "the proxy did not cut the watch ({reopened})"
+    );
+    assert!(
+        reopened <= 20,
+        "{reopened} reopen attempts: the watch reopens without backing off"
+    );
+}
