@@ -132,7 +132,14 @@ pub(crate) fn from_redis(operation: &'static str, e: RedisError) -> leasehold::E
             ),
         };
     }
-    if e.kind() == ErrorKind::Server(ServerErrorKind::NoPerm) || code.as_deref() == Some("NOPERM") {
+    // A command a script runs that the ACL denies comes back as a plain script error.
+    let denied_in_script = e
+        .to_string()
+        .contains("user executing the script can't run");
+    if e.kind() == ErrorKind::Server(ServerErrorKind::NoPerm)
+        || code.as_deref() == Some("NOPERM")
+        || denied_in_script
+    {
         return leasehold::Error::PermissionDenied {
             store: STORE,
             message: format!(

@@ -342,4 +342,25 @@ async fn the_documented_least_privilege_acl_user_can_do_everything_the_store_doe
         s.delete(&k, &v).await.unwrap();
         assert!(s.fencing_seed(&k).await.unwrap() > seed);
     }
+
+    // A command the scripts run that the ACL denies is named as a permission problem.
+    let cfg = RedisConfig::new(format!("redis://nohset:pass@127.0.0.1:{}", srv.port))
+        .unwrap()
+        .prefix(unique_prefix())
+        .unwrap();
+    let mut setuser = redis::cmd("ACL");
+    setuser.arg("SETUSER").arg("nohset").arg("on").arg(">pass");
+    for rule in cfg.acl_rules().split_whitespace() {
+        setuser.arg(rule);
+    }
+    setuser.arg("-hset");
+    raw_cmd(&admin, &setuser).await;
+    let s = RedisStore::connect(cfg).await.unwrap();
+    match s.create(&key("denied"), &record("a", 1)).await {
+        Err(e @ Error::PermissionDenied { .. }) => {
+            println!("permission error in a script: {e}");
+            assert!(!e.is_retryable());
+        }
+        other => panic!("expected PermissionDenied, got {other:?}"),
+    }
 }
