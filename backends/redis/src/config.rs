@@ -63,6 +63,8 @@ pub struct RedisConfig {
     pub(crate) watch_ping_interval: Duration,
     pub(crate) tls_root_ca_pem: Option<Vec<u8>>,
     pub(crate) tls_client_cert: Option<(Vec<u8>, Vec<u8>)>,
+    /// Redis Cluster: the URLs of further seed nodes (the main URL is the first).
+    pub(crate) cluster: Option<Vec<String>>,
 }
 
 // === impl RedisConfig ===
@@ -121,11 +123,13 @@ impl RedisConfig {
             watch_ping_interval: DEFAULT_WATCH_PING_INTERVAL,
             tls_root_ca_pem: None,
             tls_client_cert: None,
+            cluster: None,
         })
     }
 
     /// Sets the key namespace prefix (default `leasehold:`). Every key this store writes starts
-    /// with `{<prefix>}` (a hash tag: all keys of one namespace would share one slot).
+    /// with `{<prefix>}`: the prefix is the Redis Cluster hash tag, so all keys of one namespace
+    /// live in one slot and every script's keys share it.
     ///
     /// # Errors
     /// [`Error::InvalidPrefix`] when the prefix is empty, longer than 64 bytes, or contains `{`,
@@ -171,6 +175,38 @@ impl RedisConfig {
         self
     }
 
+    /// Talks to a Redis Cluster: the URL names one of its nodes (a seed), and the store discovers
+    /// the others (`CLUSTER SLOTS`), follows `MOVED`/`ASK` redirections (slot migrations,
+    /// failovers) and routes every script to the node that owns the namespace's slot (all keys
+    /// of a namespace share one slot through the `{<prefix>}` hash tag). Watches subscribe on
+    /// any reachable seed node (cluster pub/sub reaches every node).
+    ///
+    /// A Redis Cluster fails over asynchronously, like a replicated primary: see the crate docs
+    /// for what a failover can lose.
+    pub fn cluster(mut self) -> Self {
+        self.cluster.get_or_insert_with(Vec::new);
+        self
+    }
+
+    /// Adds another seed node of the Redis Cluster (and turns on [`cluster`](Self::cluster)):
+    /// the store connects through whichever seed answers, and watches fall back to the next
+    /// seed when one is down. Same scheme and credentials as the main URL.
+    ///
+    /// # Errors
+    /// [`Error::InvalidUrl`] or [`Error::InsecureTls`] as for [`RedisConfig::new`], and
+    /// [`Error::InvalidUrl`] when its scheme differs from the main URL's.
+    pub fn cluster_seed(mut self, url: impl Into<String>) -> Result<Self, Error> {
+        let seed = RedisConfig::new(url)?;
+        if seed.tls != self.tls {
+            return Err(Error::InvalidUrl {
+                url: seed.redacted_url,
+                reason: "a cluster seed must use the same scheme as the main URL".into(),
+            });
+        }
+        self.cluster.get_or_insert_with(Vec::new).push(seed.url);
+        Ok(self)
+    }
+
     /// Trusts only this CA (PEM) for `rediss://` instead of the system roots.
     pub fn tls_root_ca_pem(mut self, pem: impl Into<Vec<u8>>) -> Self {
         self.tls_root_ca_pem = Some(pem.into());
@@ -199,7 +235,8 @@ impl RedisConfig {
 
     /// The least-privilege `ACL SETUSER` rules for this configuration (without `on` and the
     /// password): only this prefix's keys (`~{P}*`) and channels (`&{P}chan:*`), only
-    /// [`ACL_COMMANDS`], plus `SELECT` when the URL names a database other than 0.
+    /// [`ACL_COMMANDS`], plus `SELECT` when the URL names a database other than 0, plus
+    /// `CLUSTER SLOTS` (topology discovery) for a [`cluster`](Self::cluster).
     ///
     /// ```
     /// use leasehold_redis::RedisConfig;
@@ -212,6 +249,9 @@ impl RedisConfig {
         let mut rules = format!("resetkeys ~{tag}* resetchannels &{tag}chan:* {ACL_COMMANDS}");
         if self.db != 0 {
             rules.push_str(" +select");
+        }
+        if self.cluster.is_some() {
+            rules.push_str(" +cluster|slots");
         }
         rules
     }
@@ -246,6 +286,7 @@ impl fmt::Debug for RedisConfig {
             .field("operation_timeout", &self.operation_timeout)
             .field("connect_timeout", &self.connect_timeout)
             .field("watch_ping_interval", &self.watch_ping_interval)
+            .field("cluster", &self.cluster.as_ref().map(Vec::len))
             .field(
                 "tls_root_ca_pem",
                 &self.tls_root_ca_pem.as_ref().map(|_| "<set>"),

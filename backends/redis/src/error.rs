@@ -166,8 +166,8 @@ pub(crate) fn from_redis(operation: &'static str, e: RedisError) -> leasehold::E
         return leasehold::Error::Store {
             store: STORE,
             message: format!(
-                "{operation}: {e} (a Redis Cluster redirection: this store supports a standalone \
-                 redis only, not Cluster; point it at a standalone primary)"
+                "{operation}: {e} (a Redis Cluster redirection: the store is configured for a \
+                 standalone server; configure it with RedisConfig::cluster() for a cluster)"
             ),
             retryable: false,
             source: Some(Box::new(e)),
@@ -180,6 +180,8 @@ pub(crate) fn from_redis(operation: &'static str, e: RedisError) -> leasehold::E
         || e.is_timeout()
         || e.is_connection_dropped()
         || e.is_connection_refusal()
+        // The cluster client reaches no node for the slot (all down, or topology unknown yet).
+        || e.kind() == ErrorKind::ClusterConnectionNotFound
         || matches!(
             e.kind(),
             ErrorKind::Server(

@@ -18,8 +18,8 @@
 //! **With replication and failover, or a restart without persistence, they do not.** Redis
 //! acknowledges a write before it reaches a replica (replication is asynchronous) and, by
 //! default, before it reaches the disk. If the primary fails and a replica that had not yet
-//! received the last acquisition is promoted (a managed service's failover, or a replica promoted
-//! by hand or by Sentinel in front of a proxy),
+//! received the last acquisition is promoted (Cluster, a managed service's failover, or a
+//! replica promoted by hand or by Sentinel in front of a proxy),
 //! or the server restarts from an older snapshot or from nothing, an acknowledged write is
 //! lost: a second candidate can acquire a lease the first still believes it holds, so **two
 //! leaders are possible**, and the **fencing token can go backwards**. This is the core of Martin
@@ -41,8 +41,8 @@
 //!
 //! # Data layout
 //!
-//! Every key of a namespace (prefix `P`, default `leasehold:`) starts with `{P}` (a hash tag, so a
-//! namespace would live in one slot; Redis Cluster itself is **not supported**, see below):
+//! Every key of a namespace (prefix `P`, default `leasehold:`) starts with the Redis Cluster hash
+//! tag `{P}`, so all of them live in one slot and every script touches keys of one slot only:
 //! the record of lease key `k` is the hash `{P}rec:k` with fields `v` (the version) and `d` (the
 //! record as client-go `LeaderElectionRecord` JSON, see [`leasehold::codec`]); the sorted set
 //! `{P}index` names every lease key; the string `{P}rev` is the namespace revision counter. See
@@ -96,11 +96,15 @@
 //!
 //! # Topologies
 //!
-//! One standalone primary (optionally with replicas for durability, see above). **Redis Cluster
-//! is not supported**: `connect` refuses a server in cluster mode, and a `MOVED`/`ASK` reply is a
-//! non-retryable error saying so. **Sentinel is not supported** either (the store does not ask
-//! Sentinel for the current primary); a proxy or DNS name that follows the primary works, with the
-//! failover caveats above.
+//! - **One standalone primary** (optionally with replicas, see above for failover).
+//! - **Redis Cluster**, with [`RedisConfig::cluster`] (and more seed nodes with
+//!   [`RedisConfig::cluster_seed`]): redis-rs's async cluster client routes every script to the
+//!   node owning the namespace's slot and follows `MOVED`/`ASK` (slot migrations, failovers).
+//!   Watches subscribe on any seed node (cluster pub/sub reaches every node) and move to the next
+//!   seed when theirs fails. A cluster failover is asynchronous: the caveats above apply. Without
+//!   `cluster()`, `connect` refuses a server in cluster mode with an error saying what to set.
+//! - **Sentinel is not supported** (the store does not ask Sentinel for the current primary); a
+//!   proxy or DNS name that follows the primary works, with the failover caveats above.
 //!
 //! # Security
 //!

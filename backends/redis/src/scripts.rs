@@ -1,7 +1,7 @@
 //! The Lua scripts that read and change records atomically on the server.
 //!
-//! Layout of one namespace with prefix `P` (all keys carry the hash tag `{P}`, so every script's
-//! keys would share one slot; Redis Cluster is not supported):
+//! Layout of one namespace with prefix `P` (all keys carry the hash tag `{P}`, so they share one
+//! Redis Cluster slot and every script's keys are in the same slot):
 //!
 //! | key | type | content |
 //! | --- | --- | --- |

@@ -2,6 +2,7 @@
 
 use std::fmt;
 use std::future::Future;
+use std::sync::atomic::AtomicUsize;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
@@ -9,7 +10,9 @@ use async_trait::async_trait;
 use leasehold::{
     Capabilities, KeyPrefix, LeaseKey, LeaseRecord, LeaseStore, Version, Versioned, WatchStream,
 };
-use redis::aio::{ConnectionManager, ConnectionManagerConfig};
+use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
+use redis::cluster::{ClusterClient, ClusterClientBuilder, ClusterConfig};
+use redis::cluster_async::ClusterConnection;
 use redis::io::tcp::{TcpSettings, socket2::TcpKeepalive};
 use redis::{
     AsyncConnectionConfig, Client, ClientTlsConfig, ConnectionInfo, IntoConnectionInfo,
@@ -43,7 +46,7 @@ const KEEPALIVE_RETRIES: u32 = 3;
 /// connection.
 const TCP_USER_TIMEOUT: Duration = Duration::from_secs(20);
 
-/// A lease store on one standalone Redis primary (Redis Cluster and Sentinel are not supported).
+/// A lease store on one standalone Redis primary or a Redis Cluster (Sentinel is not supported).
 ///
 /// Cheap to clone; clones share the connection. See the [crate docs](crate) for the data
 /// layout, the correctness class and the failure behaviour.
@@ -53,17 +56,80 @@ pub struct RedisStore {
 }
 
 pub(crate) struct Inner {
-    pub(crate) client: Client,
+    /// One client per seed node (one for a standalone server): watches subscribe through them.
+    pub(crate) clients: Vec<Client>,
+    /// The index in `clients` of the node the last watch subscribed through.
+    pub(crate) pubsub_node: AtomicUsize,
     conn: Mutex<Conn>,
-    mgr_config: ConnectionManagerConfig,
+    kind: Kind,
     pub(crate) keys: Keys,
     scripts: Scripts,
     pub(crate) config: RedisConfig,
 }
 
+/// How command connections are made.
+enum Kind {
+    /// One standalone server: redis-rs's `ConnectionManager`.
+    Single(Client, ConnectionManagerConfig),
+    /// A Redis Cluster: redis-rs's cluster connection (slot routing, redirections).
+    Cluster(ClusterClient, ClusterConfig),
+}
+
+impl Kind {
+    /// A new command connection; it connects on first use.
+    fn connection(&self) -> redis::RedisResult<Connection> {
+        match self {
+            Kind::Single(client, config) => Ok(Connection::Single(
+                ConnectionManager::new_lazy_with_config(client.clone(), config.clone())?,
+            )),
+            Kind::Cluster(client, config) => Ok(Connection::Cluster(
+                client.get_pending_async_connection_with_config(config.clone()),
+            )),
+        }
+    }
+}
+
+/// A command connection to a standalone server or a cluster.
+#[derive(Clone)]
+pub(crate) enum Connection {
+    Single(ConnectionManager),
+    Cluster(ClusterConnection),
+}
+
+impl ConnectionLike for Connection {
+    fn req_packed_command<'a>(
+        &'a mut self,
+        cmd: &'a redis::Cmd,
+    ) -> redis::RedisFuture<'a, redis::Value> {
+        match self {
+            Connection::Single(c) => c.req_packed_command(cmd),
+            Connection::Cluster(c) => c.req_packed_command(cmd),
+        }
+    }
+
+    fn req_packed_commands<'a>(
+        &'a mut self,
+        pipeline: &'a redis::Pipeline,
+        offset: usize,
+        count: usize,
+    ) -> redis::RedisFuture<'a, Vec<redis::Value>> {
+        match self {
+            Connection::Single(c) => c.req_packed_commands(pipeline, offset, count),
+            Connection::Cluster(c) => c.req_packed_commands(pipeline, offset, count),
+        }
+    }
+
+    fn get_db(&self) -> i64 {
+        match self {
+            Connection::Single(c) => c.get_db(),
+            Connection::Cluster(c) => c.get_db(),
+        }
+    }
+}
+
 /// The shared command connection and how many operations in a row timed out on it.
 struct Conn {
-    mgr: ConnectionManager,
+    mgr: Connection,
     generation: u64,
     timeouts: u32,
 }
@@ -124,44 +190,64 @@ impl RedisStore {
             // Only installs ring when the process has no provider yet; an error means one is set.
             let _ = rustls::crypto::ring::default_provider().install_default();
         }
-        let client = build_client(&config)?;
+        let clients = std::iter::once(config.url.as_str())
+            .chain(config.cluster.iter().flatten().map(String::as_str))
+            .map(|url| build_client(&config, url))
+            .collect::<Result<Vec<_>, _>>()?;
+        let client = clients[0].clone();
         let conn_config = AsyncConnectionConfig::new()
             .set_connection_timeout(Some(config.connect_timeout))
             .set_response_timeout(Some(config.operation_timeout));
-        let probe = async {
-            let mut c = client
-                .get_multiplexed_async_connection_with_config(&conn_config)
-                .await?;
-            redis::cmd("PING").query_async::<()>(&mut c).await?;
-            Ok(c)
-        };
-        let mut probe = bounded(
-            "connect",
-            config.connect_timeout + config.operation_timeout,
-            probe,
-        )
-        .await?;
+        // Probe the seeds in order (one for a standalone server) until one answers.
+        let mut probe = Err(leasehold::Error::InvalidConfig("no redis URL".into()));
+        for client in &clients {
+            let attempt = async {
+                let mut c = client
+                    .get_multiplexed_async_connection_with_config(&conn_config)
+                    .await?;
+                redis::cmd("PING").query_async::<()>(&mut c).await?;
+                Ok(c)
+            };
+            let limit = config.connect_timeout + config.operation_timeout;
+            probe = bounded("connect", limit, attempt).await;
+            // Only an unreachable node is a reason to try the next seed.
+            if !matches!(
+                probe,
+                Err(leasehold::Error::Unavailable { .. } | leasehold::Error::Timeout { .. })
+            ) {
+                break;
+            }
+        }
+        let mut probe = probe?;
         check_server(&mut probe, &config).await?;
         drop(probe);
 
-        let mgr_config = ConnectionManagerConfig::new()
-            .set_connection_timeout(Some(config.connect_timeout))
-            .set_response_timeout(Some(config.operation_timeout))
-            .set_number_of_retries(2)
-            .set_min_delay(Duration::from_millis(20))
-            .set_max_delay(Duration::from_millis(500));
-        let mgr = ConnectionManager::new_lazy_with_config(client.clone(), mgr_config.clone())
-            .map_err(|e| from_redis("connect", e))?;
+        let kind = if config.cluster.is_some() {
+            let cluster_config = ClusterConfig::new()
+                .set_connection_timeout(config.connect_timeout)
+                .set_response_timeout(config.operation_timeout);
+            Kind::Cluster(build_cluster_client(&config)?, cluster_config)
+        } else {
+            let mgr_config = ConnectionManagerConfig::new()
+                .set_connection_timeout(Some(config.connect_timeout))
+                .set_response_timeout(Some(config.operation_timeout))
+                .set_number_of_retries(2)
+                .set_min_delay(Duration::from_millis(20))
+                .set_max_delay(Duration::from_millis(500));
+            Kind::Single(client, mgr_config)
+        };
+        let mgr = kind.connection().map_err(|e| from_redis("connect", e))?;
         tracing::debug!(url = %config.redacted_url, prefix = %config.prefix, "connected to redis");
         Ok(RedisStore {
             inner: Arc::new(Inner {
-                client,
+                clients,
+                pubsub_node: AtomicUsize::new(0),
                 conn: Mutex::new(Conn {
                     mgr,
                     generation: 0,
                     timeouts: 0,
                 }),
-                mgr_config,
+                kind,
                 keys: Keys::new(&config.prefix),
                 scripts: Scripts::new(),
                 config,
@@ -203,33 +289,50 @@ fn tcp_settings() -> TcpSettings {
     settings
 }
 
-fn connection_info(config: &RedisConfig) -> Result<ConnectionInfo, Error> {
-    let info = config
-        .url
-        .as_str()
-        .into_connection_info()
-        .map_err(|e| Error::InvalidUrl {
-            url: config.redacted_url.clone(),
-            reason: e.category().to_owned(),
-        })?;
+fn connection_info(config: &RedisConfig, url: &str) -> Result<ConnectionInfo, Error> {
+    let info = url.into_connection_info().map_err(|e| Error::InvalidUrl {
+        url: config.redacted_url.clone(),
+        reason: e.category().to_owned(),
+    })?;
     Ok(info.set_tcp_settings(tcp_settings()))
 }
 
-fn build_client(config: &RedisConfig) -> Result<Client, Error> {
-    let redacted = || config.redacted_url.clone();
-    let info = connection_info(config)?;
+fn certificates(config: &RedisConfig) -> TlsCertificates {
+    TlsCertificates {
+        client_tls: config
+            .tls_client_cert
+            .as_ref()
+            .map(|(cert, key)| ClientTlsConfig {
+                client_cert: cert.clone(),
+                client_key: key.clone(),
+            }),
+        root_cert: config.tls_root_ca_pem.clone(),
+    }
+}
+
+fn build_cluster_client(config: &RedisConfig) -> Result<ClusterClient, Error> {
+    let nodes = std::iter::once(config.url.as_str())
+        .chain(config.cluster.iter().flatten().map(String::as_str))
+        .map(|url| connection_info(config, url))
+        .collect::<Result<Vec<_>, _>>()?;
+    let mut builder = ClusterClientBuilder::new(nodes)
+        .tcp_settings(tcp_settings())
+        .connection_timeout(config.connect_timeout)
+        .response_timeout(config.operation_timeout);
     if config.tls && (config.tls_root_ca_pem.is_some() || config.tls_client_cert.is_some()) {
-        let certs = TlsCertificates {
-            client_tls: config
-                .tls_client_cert
-                .as_ref()
-                .map(|(cert, key)| ClientTlsConfig {
-                    client_cert: cert.clone(),
-                    client_key: key.clone(),
-                }),
-            root_cert: config.tls_root_ca_pem.clone(),
-        };
-        return Client::build_with_tls(info, certs)
+        builder = builder.certs(certificates(config));
+    }
+    builder.build().map_err(|e| Error::InvalidUrl {
+        url: config.redacted_url.clone(),
+        reason: format!("rejected by the redis cluster client ({})", e.category()),
+    })
+}
+
+fn build_client(config: &RedisConfig, url: &str) -> Result<Client, Error> {
+    let redacted = || config.redacted_url.clone();
+    let info = connection_info(config, url)?;
+    if config.tls && (config.tls_root_ca_pem.is_some() || config.tls_client_cert.is_some()) {
+        return Client::build_with_tls(info, certificates(config))
             .map_err(|e| Error::Tls(format!("{} ({})", e.category(), detail(&e))));
     }
     if !config.tls && (config.tls_root_ca_pem.is_some() || config.tls_client_cert.is_some()) {
@@ -277,10 +380,10 @@ async fn check_server(
             .find_map(|l| l.strip_prefix(name)?.strip_prefix(':'))
             .map(str::trim)
     };
-    if field("cluster_enabled") == Some("1") {
+    if field("cluster_enabled") == Some("1") && config.cluster.is_none() {
         return Err(leasehold::Error::InvalidConfig(format!(
-            "redis at {} runs in cluster mode, which this store does not support (it talks to \
-             one standalone primary): point it at a standalone redis",
+            "redis at {} runs in cluster mode: configure the store with RedisConfig::cluster() \
+             (or point it at a standalone redis)",
             config.redacted_url
         )));
     }
@@ -374,7 +477,7 @@ impl Inner {
     }
 
     /// The current command connection and its generation.
-    fn conn(&self) -> (ConnectionManager, u64) {
+    fn conn(&self) -> (Connection, u64) {
         let c = self.conn.lock().unwrap_or_else(PoisonError::into_inner);
         (c.mgr.clone(), c.generation)
     }
@@ -394,8 +497,7 @@ impl Inner {
         if c.timeouts < REBUILD_AFTER_TIMEOUTS {
             return;
         }
-        match ConnectionManager::new_lazy_with_config(self.client.clone(), self.mgr_config.clone())
-        {
+        match self.kind.connection() {
             Ok(mgr) => {
                 tracing::warn!(
                     url = %self.config.redacted_url,

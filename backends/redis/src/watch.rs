@@ -24,6 +24,7 @@
 //! full are dropped (the consumer is behind anyway; the state that follows is the truth).
 
 use std::sync::Arc;
+use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use futures::StreamExt;
@@ -203,14 +204,35 @@ fn split_once(b: &[u8], sep: u8) -> Option<(&[u8], &[u8])> {
     Some((&b[..i], &b[i + 1..]))
 }
 
+/// Subscribes on the first node that answers, starting with the one that worked last (a
+/// standalone server has one; a cluster's pub/sub reaches every node, so any seed will do).
 async fn subscribe(inner: &Inner, channel: &str) -> leasehold::Result<(PubSubSink, PubSubStream)> {
     let limit = inner.config.connect_timeout + inner.config.operation_timeout;
-    bounded("watch", limit, async {
-        let (mut sink, stream) = inner.client.get_async_pubsub().await?.split();
-        sink.subscribe(channel).await?;
-        Ok((sink, stream))
-    })
-    .await
+    let n = inner.clients.len();
+    let first = inner.pubsub_node.load(Ordering::Relaxed);
+    let mut last_err = None;
+    for i in 0..n {
+        let node = (first + i) % n;
+        let client = &inner.clients[node];
+        let r = bounded("watch", limit, async {
+            let (mut sink, stream) = client.get_async_pubsub().await?.split();
+            sink.subscribe(channel).await?;
+            Ok((sink, stream))
+        })
+        .await;
+        match r {
+            Ok(ok) => {
+                inner.pubsub_node.store(node, Ordering::Relaxed);
+                return Ok(ok);
+            }
+            Err(e) => last_err = Some(e),
+        }
+    }
+    Err(last_err.unwrap_or_else(|| leasehold::Error::Unavailable {
+        store: STORE,
+        message: "watch: no redis node configured".into(),
+        source: None,
+    }))
 }
 
 /// Subscribes, reads, and spawns the task that feeds the returned stream.
