@@ -1,6 +1,6 @@
-//! Redis Cluster: a real local 3-master cluster (started here with `redis-server
-//! --cluster-enabled yes` and `redis-cli --cluster create`), the store routed by slot, and a
-//! slot migration in the middle of its work.
+//! Redis Cluster: real local clusters (started here with `redis-server --cluster-enabled yes`
+//! and `redis-cli --cluster create`), the store routed by slot, a slot migration and a failover
+//! in the middle of its work.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod common;
@@ -125,4 +125,58 @@ async fn the_least_privilege_acl_user_works_on_a_cluster() {
         1
     );
     s.delete(&k, &v2).await.unwrap();
+}
+
+#[tokio::test]
+async fn a_cluster_store_carries_on_after_the_master_of_its_slot_fails_over() {
+    let mut cluster = Cluster::start_with_replicas(3, 1);
+    let ports: Vec<u16> = cluster.nodes.iter().map(|n| n.port).collect();
+    let prefix = unique_prefix();
+    let mut cfg = RedisConfig::new(format!("redis://127.0.0.1:{}", ports[0]))
+        .unwrap()
+        .prefix(prefix.clone())
+        .unwrap()
+        .operation_timeout(Duration::from_secs(2))
+        .watch_ping_interval(Duration::from_millis(200))
+        .cluster();
+    for p in &ports[1..] {
+        cfg = cfg.cluster_seed(format!("redis://127.0.0.1:{p}")).unwrap();
+    }
+    let s = RedisStore::connect(cfg).await.unwrap();
+    let k = key("failover");
+    let v1 = s.create(&k, &record("a", 1)).await.unwrap();
+    let mut w = s.watch(&k, Some(&v1)).await.unwrap();
+    let v2 = s.update(&k, &record("a", 2), &v1).await.unwrap();
+    assert_eq!(next_put(&mut w).await.version, v2);
+    // Let the replica catch up, as a healthy cluster's would (WAIT 1 replica).
+    let slot = keyslot(ports[0], &format!("{{{prefix}}}"));
+    let master = cluster.owner(slot);
+    let synced = Cluster::cli(master, &["WAIT", "1", "5000"]);
+    assert_eq!(synced.trim(), "1", "the replica acknowledged the writes");
+
+    // Kill the master of the namespace's slot; its replica takes over.
+    let i = ports.iter().position(|p| *p == master).unwrap();
+    cluster.nodes[i].kill();
+    let started = std::time::Instant::now();
+    let got = loop {
+        match s.get(&k).await {
+            Ok(got) => break got,
+            Err(e) => {
+                assert!(e.is_retryable(), "{e:?}");
+                assert!(started.elapsed() < EVENTUALLY, "no failover: {e}");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
+    };
+    let promoted = cluster.owner(slot);
+    println!(
+        "slot {slot}: master :{master} killed, :{promoted} serves it after {:?}",
+        started.elapsed()
+    );
+    assert_ne!(promoted, master);
+    assert_eq!(got.unwrap().version, v2);
+    let v3 = s.update(&k, &record("b", 3), &v2).await.unwrap();
+    assert!(![&v1, &v2].contains(&&v3));
+    // The watch follows, through another seed if its node died.
+    assert_eq!(next_put(&mut w).await.version, v3);
 }

@@ -316,7 +316,12 @@ pub struct Cluster {
 
 impl Cluster {
     pub fn start(masters: usize) -> Cluster {
-        let nodes: Vec<Server> = (0..masters)
+        Cluster::start_with_replicas(masters, 0)
+    }
+
+    /// `masters * (1 + replicas)` nodes, `replicas` replicas per master.
+    pub fn start_with_replicas(masters: usize, replicas: usize) -> Cluster {
+        let nodes: Vec<Server> = (0..masters * (1 + replicas))
             .map(|_| {
                 Server::start_with(
                     &["--cluster-enabled", "yes", "--cluster-node-timeout", "2000"],
@@ -330,6 +335,8 @@ impl Cluster {
             cli.arg(format!("127.0.0.1:{}", n.port));
         }
         let out = cli
+            .arg("--cluster-replicas")
+            .arg(replicas.to_string())
             .arg("--cluster-yes")
             .output()
             .expect("run redis-cli (Debian package redis-tools) to create the cluster");
@@ -359,10 +366,10 @@ impl Cluster {
     pub fn wait_until_ok(&self) {
         let deadline = Instant::now() + START_LIMIT;
         loop {
-            let ok = self
-                .nodes
-                .iter()
-                .all(|n| Cluster::cli(n.port, &["CLUSTER", "INFO"]).contains("cluster_state:ok"));
+            let ok =
+                self.nodes.iter().filter(|n| n.proc.is_some()).all(|n| {
+                    Cluster::cli(n.port, &["CLUSTER", "INFO"]).contains("cluster_state:ok")
+                });
             if ok {
                 return;
             }
@@ -378,10 +385,15 @@ impl Cluster {
 
     /// The port of the node that owns `slot`, from `CLUSTER NODES` on `ask_port`.
     pub fn owner(&self, slot: u16) -> u16 {
-        let nodes = Cluster::cli(self.nodes[0].port, &["CLUSTER", "NODES"]);
+        let alive = self
+            .nodes
+            .iter()
+            .find(|n| n.proc.is_some())
+            .expect("a live node");
+        let nodes = Cluster::cli(alive.port, &["CLUSTER", "NODES"]);
         for line in nodes.lines() {
             let f: Vec<&str> = line.split_whitespace().collect();
-            if f.len() < 9 || !f[2].contains("master") {
+            if f.len() < 9 || !f[2].contains("master") || f[2].contains("fail") {
                 continue;
             }
             let port: u16 = f[1]
