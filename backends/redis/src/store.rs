@@ -173,15 +173,18 @@ pub(crate) enum Raw {
 // === impl RedisStore ===
 
 impl RedisStore {
-    /// Connects to the server in `config` and checks the connection (TCP/TLS, `AUTH`, `SELECT`,
-    /// `PING`), so that a wrong password or CA fails here with a clear error. Later connection
-    /// losses are repaired in the background (redis-rs's `ConnectionManager`).
+    /// Connects to the server in `config` (for a cluster: to the first seed node that answers) and
+    /// checks the connection (TCP/TLS, `AUTH`, `SELECT`, `PING`), so that a wrong password or CA
+    /// fails here with a clear error. Later connection losses are repaired in the background
+    /// (redis-rs's `ConnectionManager` or cluster client), and a connection on which
+    /// [`REBUILD_AFTER_TIMEOUTS`] operations in a row time out is replaced.
     ///
     /// # Errors
     /// [`leasehold::Error::Unauthenticated`] for rejected credentials, a non-retryable
     /// [`leasehold::Error::Store`] naming the TLS problem for a certificate that does not verify,
     /// [`leasehold::Error::Unavailable`] or [`leasehold::Error::Timeout`] when the server cannot be
-    /// reached, [`leasehold::Error::InvalidConfig`] for unusable TLS settings.
+    /// reached, [`leasehold::Error::InvalidConfig`] for unusable TLS settings or a server in cluster
+    /// mode without [`RedisConfig::cluster`].
     ///
     /// # Cancel safety
     /// Cancel safe: dropping the future drops the half-made connection.
@@ -355,7 +358,8 @@ pub(crate) fn policy_can_evict_leases(policy: &str) -> bool {
     policy.trim().to_ascii_lowercase().starts_with("allkeys-")
 }
 
-/// Checks the server at connect, from `INFO`: refuses Redis Cluster (not supported), and warns
+/// Checks the server at connect, from `INFO`: refuses a cluster-mode server unless the store is
+/// configured for a cluster, and warns
 /// (once, here) when `maxmemory-policy` can evict lease keys. Best effort: an ACL user without
 /// `INFO`, or a server that does not report a field, only skips that check.
 async fn check_server(

@@ -479,6 +479,16 @@ async fn connect_works_and_warns_when_the_eviction_policy_can_evict_leases() {
     let k = key("evictable");
     let v = s.create(&k, &record("a", 1)).await.unwrap();
     assert_eq!(s.get(&k).await.unwrap().unwrap().version, v);
+    // Lease keys carry no TTL, which is why the volatile-* policies never evict them.
+    let p = s.config().key_prefix();
+    for name in [
+        s.record_key(&k),
+        format!("{{{p}}}index"),
+        format!("{{{p}}}rev"),
+    ] {
+        let ttl = raw_cmd(&srv.url(), redis::cmd("TTL").arg(&name)).await;
+        assert_eq!(ttl, redis::Value::Int(-1), "{name} has a TTL");
+    }
 }
 
 #[tokio::test]
