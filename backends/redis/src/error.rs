@@ -1,8 +1,6 @@
 //! This crate's configuration errors and the mapping of redis-rs errors onto
 //! [`leasehold::Error`].
 
-use std::error::Error as _;
-
 use redis::{ErrorKind, RedisError, ServerErrorKind};
 
 use crate::STORE;
@@ -30,6 +28,19 @@ pub enum Error {
         reason: &'static str,
     },
 
+    /// The URL asks to skip TLS certificate verification (`#insecure`), which this store refuses:
+    /// anyone on the network path could then impersonate the server and hand out leases. The URL
+    /// shown has its password redacted.
+    #[error(
+        "redis URL {url} asks to skip TLS certificate verification (#insecure), which this store \
+         refuses: remove the #insecure fragment and trust the server's CA with \
+         RedisConfig::tls_root_ca_pem instead"
+    )]
+    InsecureTls {
+        /// The URL, password redacted.
+        url: String,
+    },
+
     /// TLS settings could not be applied (for example a PEM that does not parse).
     #[error("invalid redis TLS configuration: {0}")]
     Tls(String),
@@ -41,23 +52,68 @@ impl From<Error> for leasehold::Error {
     }
 }
 
-/// Whether `e`'s source chain holds a rustls certificate error.
+/// A TLS problem that retrying cannot fix, with what to change.
 fn certificate_problem(e: &RedisError) -> Option<String> {
-    let mut cur: Option<&(dyn std::error::Error + 'static)> = e.source();
+    let mut cur: Option<&(dyn std::error::Error + 'static)> = Some(e);
     while let Some(err) = cur {
-        if let Some(tls) = err.downcast_ref::<rustls::Error>() {
-            return match tls {
-                rustls::Error::InvalidCertificate(_)
-                | rustls::Error::NoCertificatesPresented
-                | rustls::Error::AlertReceived(_) => Some(tls.to_string()),
-                _ => None,
-            };
+        if let Some(tls) = as_rustls(err) {
+            return tls_advice(tls);
         }
         cur = err.source();
     }
     // redis-rs may flatten the io error into text.
     let text = e.to_string();
-    (text.contains("invalid peer certificate") || text.contains("UnknownIssuer")).then_some(text)
+    (text.contains("invalid peer certificate") || text.contains("UnknownIssuer")).then(|| {
+        format!("{text} (check the CA configured with tls_root_ca_pem and the server's certificate and host name)")
+    })
+}
+
+/// `err` as a rustls error, also when an `io::Error` wraps it (whose `source()` skips the
+/// wrapped error itself), and when redis-rs holds it in an `Arc` (its `source()` hands out the
+/// `Arc`, whose own `source()` skips the io error).
+fn as_rustls<'a>(err: &'a (dyn std::error::Error + 'static)) -> Option<&'a rustls::Error> {
+    let err = match err.downcast_ref::<std::sync::Arc<dyn std::error::Error + Send + Sync>>() {
+        Some(arc) => &**arc as &(dyn std::error::Error + 'static),
+        None => err,
+    };
+    if let Some(tls) = err.downcast_ref::<rustls::Error>() {
+        return Some(tls);
+    }
+    err.downcast_ref::<std::io::Error>()?
+        .get_ref()?
+        .downcast_ref::<rustls::Error>()
+}
+
+fn tls_advice(tls: &rustls::Error) -> Option<String> {
+    use rustls::AlertDescription as A;
+    match tls {
+        rustls::Error::InvalidCertificate(_) => Some(format!(
+            "{tls} (check the CA configured with tls_root_ca_pem, the server's certificate and \
+             that the URL's host name is one the certificate names)"
+        )),
+        rustls::Error::NoCertificatesPresented => Some(format!(
+            "{tls} (the server presented no certificate; check its tls-cert-file)"
+        )),
+        rustls::Error::AlertReceived(
+            A::CertificateRequired
+            | A::BadCertificate
+            | A::UnknownCA
+            | A::CertificateExpired
+            | A::CertificateRevoked
+            | A::CertificateUnknown
+            | A::UnsupportedCertificate
+            | A::AccessDenied
+            | A::DecryptError,
+        ) => Some(format!(
+            "{tls} (the server rejected this client's certificate: set one its tls-ca-cert-file \
+             trusts with RedisConfig::tls_client_cert_pem)"
+        )),
+        rustls::Error::AlertReceived(_) | rustls::Error::PeerIncompatible(_) => Some(format!(
+            "{tls} (the server refused the TLS handshake: check its TLS settings, such as \
+             tls-protocols and tls-ciphersuites, against a TLS 1.2/1.3 client)"
+        )),
+        _ => None,
+    }
 }
 
 /// Converts a redis-rs error from `operation` into the leasehold error the elector acts on.
@@ -76,21 +132,42 @@ pub(crate) fn from_redis(operation: &'static str, e: RedisError) -> leasehold::E
             ),
         };
     }
-    if e.kind() == ErrorKind::Server(ServerErrorKind::NoPerm) || code.as_deref() == Some("NOPERM") {
+    // A command a script runs that the ACL denies comes back as a plain script error.
+    let denied_in_script = e
+        .to_string()
+        .contains("user executing the script can't run");
+    if e.kind() == ErrorKind::Server(ServerErrorKind::NoPerm)
+        || code.as_deref() == Some("NOPERM")
+        || denied_in_script
+    {
         return leasehold::Error::PermissionDenied {
             store: STORE,
             message: format!(
-                "{operation}: {e} (the ACL user needs EVALSHA, EVAL, SCRIPT LOAD, ZRANGEBYLEX, \
-                 SUBSCRIBE and PING, and access to the keys and channels of the prefix)"
+                "{operation}: {e} (the ACL user needs the rules RedisConfig::acl_rules gives: \
+                 EVALSHA, EVAL, SCRIPT LOAD and the commands the scripts run, on the prefix's \
+                 keys and channels; see the README)"
             ),
         };
     }
     if let Some(problem) = certificate_problem(&e) {
         return leasehold::Error::Store {
             store: STORE,
+            message: format!("{operation}: TLS handshake failed: {problem}"),
+            retryable: false,
+            source: Some(Box::new(e)),
+        };
+    }
+    if matches!(
+        e.kind(),
+        ErrorKind::Server(
+            ServerErrorKind::Moved | ServerErrorKind::Ask | ServerErrorKind::CrossSlot
+        )
+    ) {
+        return leasehold::Error::Store {
+            store: STORE,
             message: format!(
-                "{operation}: TLS handshake failed: {problem} (check the CA certificate \
-                 configured with tls_root_ca_pem and the server's certificate and host name)"
+                "{operation}: {e} (a Redis Cluster redirection: the store is configured for a \
+                 standalone server; configure it with RedisConfig::cluster() for a cluster)"
             ),
             retryable: false,
             source: Some(Box::new(e)),
@@ -103,6 +180,8 @@ pub(crate) fn from_redis(operation: &'static str, e: RedisError) -> leasehold::E
         || e.is_timeout()
         || e.is_connection_dropped()
         || e.is_connection_refusal()
+        // The cluster client reaches no node for the slot (all down, or topology unknown yet).
+        || e.kind() == ErrorKind::ClusterConnectionNotFound
         || matches!(
             e.kind(),
             ErrorKind::Server(

@@ -18,7 +18,8 @@
 //! **With replication and failover, or a restart without persistence, they do not.** Redis
 //! acknowledges a write before it reaches a replica (replication is asynchronous) and, by
 //! default, before it reaches the disk. If the primary fails and a replica that had not yet
-//! received the last acquisition is promoted (Sentinel, Cluster, a managed service's failover),
+//! received the last acquisition is promoted (Cluster, a managed service's failover, or a
+//! replica promoted by hand or by Sentinel in front of a proxy),
 //! or the server restarts from an older snapshot or from nothing, an acknowledged write is
 //! lost: a second candidate can acquire a lease the first still believes it holds, so **two
 //! leaders are possible**, and the **fencing token can go backwards**. This is the core of Martin
@@ -49,7 +50,11 @@
 //!
 //! **Versions** are the namespace counter at the time of the write (like etcd's revisions): they
 //! never repeat, also not across a delete and re-create, which lets a watch drop stale messages by
-//! comparing numbers.
+//! comparing numbers. Every write sets the counter to at least the server clock in microseconds
+//! and above its previous value, so versions keep growing after the counter went back (a restore
+//! from an older snapshot, a failover to a lagging replica, a restart without persistence). The
+//! [fencing seed](leasehold::LeaseStore::fencing_seed) is one above the larger of the counter and
+//! the server clock.
 //!
 //! **Compare-and-swap** runs as Lua scripts, invoked by SHA (`EVALSHA`) and loaded again when the
 //! server answers `NOSCRIPT` (after a restart or `SCRIPT FLUSH`). A script compares the stored
@@ -79,17 +84,36 @@
 //!
 //! Every operation is bounded by the operation timeout (default 2 s) and fails with
 //! [`leasehold::Error::Timeout`] after it; connection failures are
-//! [`leasehold::Error::Unavailable`]. Both are retryable. The connection is repaired in the
-//! background by redis-rs's `ConnectionManager`. Rejected credentials are
+//! [`leasehold::Error::Unavailable`]. Both are retryable. A connection that reports an error is
+//! repaired in the background by redis-rs's `ConnectionManager`; one on which
+//! [`REBUILD_AFTER_TIMEOUTS`] operations in a row time out (a peer that stopped answering without
+//! closing) is replaced by a new one. Every connection sets `TCP_NODELAY`, TCP keepalive and
+//! `TCP_USER_TIMEOUT`. Rejected credentials are
 //! [`leasehold::Error::Unauthenticated`], missing ACL permissions
-//! [`leasehold::Error::PermissionDenied`], a certificate that does not verify a non-retryable
-//! [`leasehold::Error::Store`] that says it is a TLS problem.
+//! [`leasehold::Error::PermissionDenied`], a certificate that does not verify (or a client
+//! certificate the server rejects) a non-retryable [`leasehold::Error::Store`] that says it is a
+//! TLS problem and what to fix.
+//!
+//! # Topologies
+//!
+//! - **One standalone primary** (optionally with replicas, see above for failover).
+//! - **Redis Cluster**, with [`RedisConfig::cluster`] (and more seed nodes with
+//!   [`RedisConfig::cluster_seed`]): redis-rs's async cluster client routes every script to the
+//!   node owning the namespace's slot and follows `MOVED`/`ASK` (slot migrations, failovers).
+//!   Watches subscribe on any seed node (cluster pub/sub reaches every node) and move to the next
+//!   seed when theirs fails. A cluster failover is asynchronous: the caveats above apply. Without
+//!   `cluster()`, `connect` refuses a server in cluster mode with an error saying what to set.
+//! - **Sentinel is not supported** (the store does not ask Sentinel for the current primary); a
+//!   proxy or DNS name that follows the primary works, with the failover caveats above.
 //!
 //! # Security
 //!
 //! `rediss://` URLs use TLS (rustls with the ring provider; the system roots or a CA given with
-//! [`RedisConfig::tls_root_ca_pem`], optionally a client certificate). A user name in the URL
-//! selects an ACL user. Passwords are redacted in every `Debug` output, error and log line.
+//! [`RedisConfig::tls_root_ca_pem`], optionally a client certificate); a `#insecure` URL
+//! fragment is refused ([`Error::InsecureTls`]). A user name in the URL selects an ACL user;
+//! [`RedisConfig::acl_rules`] gives the least-privilege rules ([`ACL_COMMANDS`] and the prefix's
+//! key and channel patterns). At connect the store warns when `maxmemory-policy` is an
+//! `allkeys-*` policy, which can evict lease keys. Passwords are redacted in every `Debug` output, error and log line.
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
 mod config;
@@ -99,11 +123,11 @@ mod store;
 pub mod watch;
 
 pub use config::{
-    DEFAULT_CONNECT_TIMEOUT, DEFAULT_OPERATION_TIMEOUT, DEFAULT_PREFIX,
+    ACL_COMMANDS, DEFAULT_CONNECT_TIMEOUT, DEFAULT_OPERATION_TIMEOUT, DEFAULT_PREFIX,
     DEFAULT_WATCH_PING_INTERVAL, RedisConfig,
 };
 pub use error::Error;
-pub use store::RedisStore;
+pub use store::{REBUILD_AFTER_TIMEOUTS, RedisStore};
 
 /// The store's name in errors and logs.
 pub const STORE: &str = "redis";

@@ -14,11 +14,19 @@
 //!
 //! Versions come from the namespace counter, like etcd's revisions: they never repeat, also not
 //! after a delete and re-create, so a watcher can drop anything at or below what it has seen.
-//! The counter starts at the server's clock in microseconds when it is first needed (a new
-//! namespace, or a server that restarted without persistence and lost it), so versions keep
-//! growing across such a restart too (unless the server's clock went back, or more than a
-//! million writes a second were sustained): a compare-and-swap with a version read before the
-//! data loss cannot match a record written after it by accident.
+//! Every write sets the counter to the largest of: the counter plus one, the server's clock
+//! (`TIME`) in microseconds, and the replaced version plus one. So a version is never below the
+//! server clock, and versions keep growing when the counter went back or vanished: after a
+//! restart without persistence, a restore from an older RDB/AOF snapshot, or a failover to a
+//! replica that lagged behind. A version issued before such a loss is therefore not issued again,
+//! and a compare-and-swap with it cannot match a record written after the loss by accident.
+//! (Two exceptions: the server's clock went back by more than the lost writes' lead, or more
+//! than a million writes a second were sustained before the loss, which pushes the counter ahead
+//! of the clock.)
+//!
+//! The fencing seed ([`LeaseStore::fencing_seed`](leasehold::LeaseStore::fencing_seed)) is read
+//! by a script that writes nothing: one above the largest of the counter, the key's version and
+//! the server clock in microseconds.
 //!
 //! Data under a record key that is not such a hash (another type, a hash without `v`/`d`) is
 //! foreign. Its version is `x` followed by the SHA-1 of its `DUMP` serialisation: it stays the same
@@ -41,18 +49,22 @@ local function cur(key)
   end
   return 'x' .. redis.sha1hex(redis.call('DUMP', key)), false
 end
+local function now_us()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000000 + tonumber(t[2])
+end
+local function counter(revkey)
+  return tonumber(redis.call('GET', revkey) or '0') or 0
+end
 local function bump(revkey, cv)
-  if redis.call('EXISTS', revkey) == 0 then
-    local t = redis.call('TIME')
-    redis.call('SET', revkey, string.format('%d', tonumber(t[1]) * 1000000 + tonumber(t[2])))
-  end
-  local nv = redis.call('INCR', revkey)
+  local nv = counter(revkey) + 1
+  local now = now_us()
+  if nv < now then nv = now end
   local c = tonumber(cv)
-  if c and nv <= c then
-    nv = c + 1
-    redis.call('SET', revkey, string.format('%d', nv))
-  end
-  return string.format('%d', nv)
+  if c and nv <= c then nv = c + 1 end
+  nv = string.format('%d', nv)
+  redis.call('SET', revkey, nv)
+  return nv
 end
 "#;
 
@@ -117,6 +129,17 @@ redis.call('DEL', KEYS[1])
 redis.call('ZREM', KEYS[2], ARGV[2])
 redis.call('PUBLISH', ARGV[3], 'd:' .. nv)
 return {'ok', nv}
+"#;
+
+/// KEYS: rec, rev. Returns the fencing seed: one above the largest of the namespace counter, the
+/// key's version (when it is one of ours) and the server clock in microseconds. Writes nothing.
+const SEED: &str = r#"
+local s = counter(KEYS[2])
+local c = tonumber((cur(KEYS[1])))
+if c and c > s then s = c end
+local now = now_us()
+if now > s then s = now end
+return string.format('%d', s + 1)
 "#;
 
 /// One script: its source and SHA-1.
@@ -207,6 +230,7 @@ pub(crate) struct Scripts {
     pub(crate) create: Lua,
     pub(crate) update: Lua,
     pub(crate) delete: Lua,
+    pub(crate) seed: Lua,
 }
 
 impl Scripts {
@@ -217,6 +241,7 @@ impl Scripts {
             create: Lua::new(CREATE),
             update: Lua::new(UPDATE),
             delete: Lua::new(DELETE),
+            seed: Lua::new(SEED),
         }
     }
 }

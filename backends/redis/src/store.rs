@@ -2,15 +2,22 @@
 
 use std::fmt;
 use std::future::Future;
-use std::sync::Arc;
+use std::sync::atomic::AtomicUsize;
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use async_trait::async_trait;
 use leasehold::{
     Capabilities, KeyPrefix, LeaseKey, LeaseRecord, LeaseStore, Version, Versioned, WatchStream,
 };
-use redis::aio::{ConnectionManager, ConnectionManagerConfig};
-use redis::{AsyncConnectionConfig, Client, ClientTlsConfig, TlsCertificates};
+use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
+use redis::cluster::{ClusterClient, ClusterClientBuilder, ClusterConfig};
+use redis::cluster_async::ClusterConnection;
+use redis::io::tcp::{TcpSettings, socket2::TcpKeepalive};
+use redis::{
+    AsyncConnectionConfig, Client, ClientTlsConfig, ConnectionInfo, IntoConnectionInfo,
+    TlsCertificates,
+};
 
 use crate::STORE;
 use crate::config::RedisConfig;
@@ -21,7 +28,25 @@ use crate::watch;
 /// How many record keys one `list` script call reads at most.
 const LIST_BATCH: usize = 256;
 
-/// A lease store on one Redis server (or one Redis Cluster slot).
+/// After this many operations in a row time out on one connection, the store drops it and
+/// builds a new one. redis-rs reconnects by itself only when a connection reports an error; a
+/// peer that stops answering on an established connection (a proxy or NAT that lost its state, a
+/// half-open TCP connection) produces only timeouts, and would otherwise stay in use until the
+/// kernel gives up on it (about 15 minutes). Three keeps a single slow reply from costing a
+/// reconnect.
+pub const REBUILD_AFTER_TIMEOUTS: u32 = 3;
+
+/// TCP keepalive: first probe after this much idle time.
+const KEEPALIVE_IDLE: Duration = Duration::from_secs(10);
+/// TCP keepalive: interval between unanswered probes.
+const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(5);
+/// TCP keepalive: unanswered probes before the kernel drops the connection.
+const KEEPALIVE_RETRIES: u32 = 3;
+/// `TCP_USER_TIMEOUT`: how long sent data may stay unacknowledged before the kernel drops the
+/// connection.
+const TCP_USER_TIMEOUT: Duration = Duration::from_secs(20);
+
+/// A lease store on one standalone Redis primary or a Redis Cluster (Sentinel is not supported).
 ///
 /// Cheap to clone; clones share the connection. See the [crate docs](crate) for the data
 /// layout, the correctness class and the failure behaviour.
@@ -31,11 +56,82 @@ pub struct RedisStore {
 }
 
 pub(crate) struct Inner {
-    pub(crate) client: Client,
-    conn: ConnectionManager,
+    /// One client per seed node (one for a standalone server): watches subscribe through them.
+    pub(crate) clients: Vec<Client>,
+    /// The index in `clients` of the node the last watch subscribed through.
+    pub(crate) pubsub_node: AtomicUsize,
+    conn: Mutex<Conn>,
+    kind: Kind,
     pub(crate) keys: Keys,
     scripts: Scripts,
     pub(crate) config: RedisConfig,
+}
+
+/// How command connections are made.
+enum Kind {
+    /// One standalone server: redis-rs's `ConnectionManager`.
+    Single(Client, ConnectionManagerConfig),
+    /// A Redis Cluster: redis-rs's cluster connection (slot routing, redirections).
+    Cluster(ClusterClient, ClusterConfig),
+}
+
+impl Kind {
+    /// A new command connection; it connects on first use.
+    fn connection(&self) -> redis::RedisResult<Connection> {
+        match self {
+            Kind::Single(client, config) => Ok(Connection::Single(
+                ConnectionManager::new_lazy_with_config(client.clone(), config.clone())?,
+            )),
+            Kind::Cluster(client, config) => Ok(Connection::Cluster(
+                client.get_pending_async_connection_with_config(config.clone()),
+            )),
+        }
+    }
+}
+
+/// A command connection to a standalone server or a cluster.
+#[derive(Clone)]
+pub(crate) enum Connection {
+    Single(ConnectionManager),
+    Cluster(ClusterConnection),
+}
+
+impl ConnectionLike for Connection {
+    fn req_packed_command<'a>(
+        &'a mut self,
+        cmd: &'a redis::Cmd,
+    ) -> redis::RedisFuture<'a, redis::Value> {
+        match self {
+            Connection::Single(c) => c.req_packed_command(cmd),
+            Connection::Cluster(c) => c.req_packed_command(cmd),
+        }
+    }
+
+    fn req_packed_commands<'a>(
+        &'a mut self,
+        pipeline: &'a redis::Pipeline,
+        offset: usize,
+        count: usize,
+    ) -> redis::RedisFuture<'a, Vec<redis::Value>> {
+        match self {
+            Connection::Single(c) => c.req_packed_commands(pipeline, offset, count),
+            Connection::Cluster(c) => c.req_packed_commands(pipeline, offset, count),
+        }
+    }
+
+    fn get_db(&self) -> i64 {
+        match self {
+            Connection::Single(c) => c.get_db(),
+            Connection::Cluster(c) => c.get_db(),
+        }
+    }
+}
+
+/// The shared command connection and how many operations in a row timed out on it.
+struct Conn {
+    mgr: Connection,
+    generation: u64,
+    timeouts: u32,
 }
 
 /// The Redis keys and channel of a namespace.
@@ -77,15 +173,18 @@ pub(crate) enum Raw {
 // === impl RedisStore ===
 
 impl RedisStore {
-    /// Connects to the server in `config` and checks the connection (TCP/TLS, `AUTH`, `SELECT`,
-    /// `PING`), so that a wrong password or CA fails here with a clear error. Later connection
-    /// losses are repaired in the background (redis-rs's `ConnectionManager`).
+    /// Connects to the server in `config` (for a cluster: to the first seed node that answers) and
+    /// checks the connection (TCP/TLS, `AUTH`, `SELECT`, `PING`), so that a wrong password or CA
+    /// fails here with a clear error. Later connection losses are repaired in the background
+    /// (redis-rs's `ConnectionManager` or cluster client), and a connection on which
+    /// [`REBUILD_AFTER_TIMEOUTS`] operations in a row time out is replaced.
     ///
     /// # Errors
     /// [`leasehold::Error::Unauthenticated`] for rejected credentials, a non-retryable
     /// [`leasehold::Error::Store`] naming the TLS problem for a certificate that does not verify,
     /// [`leasehold::Error::Unavailable`] or [`leasehold::Error::Timeout`] when the server cannot be
-    /// reached, [`leasehold::Error::InvalidConfig`] for unusable TLS settings.
+    /// reached, [`leasehold::Error::InvalidConfig`] for unusable TLS settings or a server in cluster
+    /// mode without [`RedisConfig::cluster`].
     ///
     /// # Cancel safety
     /// Cancel safe: dropping the future drops the half-made connection.
@@ -94,36 +193,64 @@ impl RedisStore {
             // Only installs ring when the process has no provider yet; an error means one is set.
             let _ = rustls::crypto::ring::default_provider().install_default();
         }
-        let client = build_client(&config)?;
+        let clients = std::iter::once(config.url.as_str())
+            .chain(config.cluster.iter().flatten().map(String::as_str))
+            .map(|url| build_client(&config, url))
+            .collect::<Result<Vec<_>, _>>()?;
+        let client = clients[0].clone();
         let conn_config = AsyncConnectionConfig::new()
             .set_connection_timeout(Some(config.connect_timeout))
             .set_response_timeout(Some(config.operation_timeout));
-        let probe = async {
-            let mut c = client
-                .get_multiplexed_async_connection_with_config(&conn_config)
-                .await?;
-            redis::cmd("PING").query_async::<()>(&mut c).await
-        };
-        bounded(
-            "connect",
-            config.connect_timeout + config.operation_timeout,
-            probe,
-        )
-        .await?;
+        // Probe the seeds in order (one for a standalone server) until one answers.
+        let mut probe = Err(leasehold::Error::InvalidConfig("no redis URL".into()));
+        for client in &clients {
+            let attempt = async {
+                let mut c = client
+                    .get_multiplexed_async_connection_with_config(&conn_config)
+                    .await?;
+                redis::cmd("PING").query_async::<()>(&mut c).await?;
+                Ok(c)
+            };
+            let limit = config.connect_timeout + config.operation_timeout;
+            probe = bounded("connect", limit, attempt).await;
+            // Only an unreachable node is a reason to try the next seed.
+            if !matches!(
+                probe,
+                Err(leasehold::Error::Unavailable { .. } | leasehold::Error::Timeout { .. })
+            ) {
+                break;
+            }
+        }
+        let mut probe = probe?;
+        check_server(&mut probe, &config).await?;
+        drop(probe);
 
-        let mgr_config = ConnectionManagerConfig::new()
-            .set_connection_timeout(Some(config.connect_timeout))
-            .set_response_timeout(Some(config.operation_timeout))
-            .set_number_of_retries(2)
-            .set_min_delay(Duration::from_millis(20))
-            .set_max_delay(Duration::from_millis(500));
-        let conn = ConnectionManager::new_lazy_with_config(client.clone(), mgr_config)
-            .map_err(|e| from_redis("connect", e))?;
+        let kind = if config.cluster.is_some() {
+            let cluster_config = ClusterConfig::new()
+                .set_connection_timeout(config.connect_timeout)
+                .set_response_timeout(config.operation_timeout);
+            Kind::Cluster(build_cluster_client(&config)?, cluster_config)
+        } else {
+            let mgr_config = ConnectionManagerConfig::new()
+                .set_connection_timeout(Some(config.connect_timeout))
+                .set_response_timeout(Some(config.operation_timeout))
+                .set_number_of_retries(2)
+                .set_min_delay(Duration::from_millis(20))
+                .set_max_delay(Duration::from_millis(500));
+            Kind::Single(client, mgr_config)
+        };
+        let mgr = kind.connection().map_err(|e| from_redis("connect", e))?;
         tracing::debug!(url = %config.redacted_url, prefix = %config.prefix, "connected to redis");
         Ok(RedisStore {
             inner: Arc::new(Inner {
-                client,
-                conn,
+                clients,
+                pubsub_node: AtomicUsize::new(0),
+                conn: Mutex::new(Conn {
+                    mgr,
+                    generation: 0,
+                    timeouts: 0,
+                }),
+                kind,
                 keys: Keys::new(&config.prefix),
                 scripts: Scripts::new(),
                 config,
@@ -142,20 +269,73 @@ impl RedisStore {
     }
 }
 
-fn build_client(config: &RedisConfig) -> Result<Client, Error> {
-    let redacted = || config.redacted_url.clone();
+/// The TCP options of every connection: `TCP_NODELAY` (small request/reply exchanges), keepalive
+/// probes and `TCP_USER_TIMEOUT`, so that the kernel drops a connection whose peer vanished
+/// instead of keeping it for about 15 minutes.
+fn tcp_settings() -> TcpSettings {
+    let keepalive = TcpKeepalive::new()
+        .with_time(KEEPALIVE_IDLE)
+        .with_interval(KEEPALIVE_INTERVAL);
+    #[cfg(any(
+        target_os = "android",
+        target_os = "fuchsia",
+        target_os = "linux",
+        target_os = "macos",
+        target_os = "freebsd"
+    ))]
+    let keepalive = keepalive.with_retries(KEEPALIVE_RETRIES);
+    let settings = TcpSettings::default()
+        .set_nodelay(true)
+        .set_keepalive(keepalive);
+    #[cfg(any(target_os = "android", target_os = "fuchsia", target_os = "linux"))]
+    let settings = settings.set_user_timeout(TCP_USER_TIMEOUT);
+    settings
+}
+
+fn connection_info(config: &RedisConfig, url: &str) -> Result<ConnectionInfo, Error> {
+    let info = url.into_connection_info().map_err(|e| Error::InvalidUrl {
+        url: config.redacted_url.clone(),
+        reason: e.category().to_owned(),
+    })?;
+    Ok(info.set_tcp_settings(tcp_settings()))
+}
+
+fn certificates(config: &RedisConfig) -> TlsCertificates {
+    TlsCertificates {
+        client_tls: config
+            .tls_client_cert
+            .as_ref()
+            .map(|(cert, key)| ClientTlsConfig {
+                client_cert: cert.clone(),
+                client_key: key.clone(),
+            }),
+        root_cert: config.tls_root_ca_pem.clone(),
+    }
+}
+
+fn build_cluster_client(config: &RedisConfig) -> Result<ClusterClient, Error> {
+    let nodes = std::iter::once(config.url.as_str())
+        .chain(config.cluster.iter().flatten().map(String::as_str))
+        .map(|url| connection_info(config, url))
+        .collect::<Result<Vec<_>, _>>()?;
+    let mut builder = ClusterClientBuilder::new(nodes)
+        .tcp_settings(tcp_settings())
+        .connection_timeout(config.connect_timeout)
+        .response_timeout(config.operation_timeout);
     if config.tls && (config.tls_root_ca_pem.is_some() || config.tls_client_cert.is_some()) {
-        let certs = TlsCertificates {
-            client_tls: config
-                .tls_client_cert
-                .as_ref()
-                .map(|(cert, key)| ClientTlsConfig {
-                    client_cert: cert.clone(),
-                    client_key: key.clone(),
-                }),
-            root_cert: config.tls_root_ca_pem.clone(),
-        };
-        return Client::build_with_tls(config.url.as_str(), certs)
+        builder = builder.certs(certificates(config));
+    }
+    builder.build().map_err(|e| Error::InvalidUrl {
+        url: config.redacted_url.clone(),
+        reason: format!("rejected by the redis cluster client ({})", e.category()),
+    })
+}
+
+fn build_client(config: &RedisConfig, url: &str) -> Result<Client, Error> {
+    let redacted = || config.redacted_url.clone();
+    let info = connection_info(config, url)?;
+    if config.tls && (config.tls_root_ca_pem.is_some() || config.tls_client_cert.is_some()) {
+        return Client::build_with_tls(info, certificates(config))
             .map_err(|e| Error::Tls(format!("{} ({})", e.category(), detail(&e))));
     }
     if !config.tls && (config.tls_root_ca_pem.is_some() || config.tls_client_cert.is_some()) {
@@ -164,10 +344,66 @@ fn build_client(config: &RedisConfig) -> Result<Client, Error> {
             reason: "TLS certificates are set but the URL is not rediss://".into(),
         });
     }
-    Client::open(config.url.as_str()).map_err(|e| Error::InvalidUrl {
+    Client::open(info).map_err(|e| Error::InvalidUrl {
         url: redacted(),
         reason: e.category().to_owned(),
     })
+}
+
+/// Whether a `maxmemory-policy` may evict lease keys. They carry no TTL, so the `volatile-*`
+/// policies (which evict only keys with a TTL) and `noeviction` leave them alone; the
+/// `allkeys-*` policies may evict them once `maxmemory` is reached, and an evicted lease is a
+/// lost write (two leaders become possible).
+pub(crate) fn policy_can_evict_leases(policy: &str) -> bool {
+    policy.trim().to_ascii_lowercase().starts_with("allkeys-")
+}
+
+/// Checks the server at connect, from `INFO`: refuses a cluster-mode server unless the store is
+/// configured for a cluster, and warns
+/// (once, here) when `maxmemory-policy` can evict lease keys. Best effort: an ACL user without
+/// `INFO`, or a server that does not report a field, only skips that check.
+async fn check_server(
+    conn: &mut impl redis::aio::ConnectionLike,
+    config: &RedisConfig,
+) -> leasehold::Result<()> {
+    let info = bounded(
+        "connect",
+        config.operation_timeout,
+        redis::cmd("INFO").query_async::<String>(conn),
+    )
+    .await;
+    let info = match info {
+        Ok(info) => info,
+        Err(e) => {
+            tracing::debug!(error = %e, "cannot read INFO; skipping the cluster and eviction checks");
+            return Ok(());
+        }
+    };
+    let field = |name: &str| {
+        info.lines()
+            .find_map(|l| l.strip_prefix(name)?.strip_prefix(':'))
+            .map(str::trim)
+    };
+    if field("cluster_enabled") == Some("1") && config.cluster.is_none() {
+        return Err(leasehold::Error::InvalidConfig(format!(
+            "redis at {} runs in cluster mode: configure the store with RedisConfig::cluster() \
+             (or point it at a standalone redis)",
+            config.redacted_url
+        )));
+    }
+    if let Some(policy) = field("maxmemory_policy")
+        && policy_can_evict_leases(policy)
+    {
+        tracing::warn!(
+            url = %config.redacted_url,
+            maxmemory_policy = policy,
+            maxmemory = field("maxmemory").unwrap_or("unknown"),
+            "redis maxmemory-policy {policy} can evict lease keys when memory runs short, which \
+             loses acquisitions (two leaders become possible); use noeviction or a volatile-* \
+             policy (lease keys have no TTL), or a dedicated redis"
+        );
+    }
+    Ok(())
 }
 
 fn detail(e: &redis::RedisError) -> String {
@@ -244,20 +480,73 @@ impl Inner {
         self.config.operation_timeout
     }
 
+    /// The current command connection and its generation.
+    fn conn(&self) -> (Connection, u64) {
+        let c = self.conn.lock().unwrap_or_else(PoisonError::into_inner);
+        (c.mgr.clone(), c.generation)
+    }
+
+    /// Counts timeouts in a row on connection `generation` and replaces it after
+    /// [`REBUILD_AFTER_TIMEOUTS`] of them; any other outcome resets the count.
+    fn observe<T>(&self, generation: u64, result: &leasehold::Result<T>) {
+        let mut c = self.conn.lock().unwrap_or_else(PoisonError::into_inner);
+        if c.generation != generation {
+            return;
+        }
+        if !matches!(result, Err(leasehold::Error::Timeout { .. })) {
+            c.timeouts = 0;
+            return;
+        }
+        c.timeouts += 1;
+        if c.timeouts < REBUILD_AFTER_TIMEOUTS {
+            return;
+        }
+        match self.kind.connection() {
+            Ok(mgr) => {
+                tracing::warn!(
+                    url = %self.config.redacted_url,
+                    timeouts = c.timeouts,
+                    "redis: {} operations in a row timed out on one connection; replacing it",
+                    c.timeouts
+                );
+                c.mgr = mgr;
+                c.generation += 1;
+                c.timeouts = 0;
+            }
+            Err(e) => tracing::warn!(error = %e, "redis: cannot build a new connection"),
+        }
+    }
+
+    /// Runs a script call on the command connection, bounded by the operation timeout.
+    async fn invoke<T: redis::FromRedisValue>(
+        &self,
+        operation: &'static str,
+        call: Call<'_>,
+    ) -> leasehold::Result<T> {
+        let (mut conn, generation) = self.conn();
+        let r = bounded(operation, self.timeout(), call.invoke(&mut conn)).await;
+        self.observe(generation, &r);
+        r
+    }
+
+    /// Runs a command on the command connection, bounded by the operation timeout.
+    async fn query<T: redis::FromRedisValue>(
+        &self,
+        operation: &'static str,
+        cmd: &redis::Cmd,
+    ) -> leasehold::Result<T> {
+        let (mut conn, generation) = self.conn();
+        let r = bounded(operation, self.timeout(), cmd.query_async(&mut conn)).await;
+        self.observe(generation, &r);
+        r
+    }
+
     /// Reads a record key and the namespace revision in one script call.
     pub(crate) async fn read(&self, key: &LeaseKey) -> leasehold::Result<(Raw, u64)> {
-        let mut conn = self.conn.clone();
-        let reply: Vec<Vec<u8>> = bounded(
-            "get",
-            self.timeout(),
-            self.scripts
-                .get
-                .call()
-                .key(self.keys.record(key.as_str()))
-                .key(self.keys.rev())
-                .invoke(&mut conn),
-        )
-        .await?;
+        let call = (self.scripts.get.call())
+            .key(self.keys.record(key.as_str()))
+            .key(self.keys.rev());
+        let reply: Vec<Vec<u8>> = self.invoke("get", call).await?;
         let mut it = reply.clone().into_iter();
         let (Some(kind), Some(version), Some(data), Some(rev), None) =
             (it.next(), it.next(), it.next(), it.next(), it.next())
@@ -278,9 +567,7 @@ impl Inner {
         call: Call<'_>,
         expected: Option<&Version>,
     ) -> leasehold::Result<Version> {
-        let mut conn = self.conn.clone();
-        let reply: Vec<Vec<u8>> =
-            bounded(operation, self.timeout(), call.invoke(&mut conn)).await?;
+        let reply: Vec<Vec<u8>> = self.invoke(operation, call).await?;
         match reply.first().map(Vec::as_slice) {
             Some(b"ok") if reply.len() == 2 => Ok(Version::new(text(&reply[1]))),
             Some(b"exists") => Err(leasehold::Error::AlreadyExists {
@@ -374,17 +661,15 @@ impl LeaseStore for RedisStore {
             // Lease keys are ASCII, so every key under the prefix sorts below prefix + 0xff.
             (format!("[{prefix}"), format!("({prefix}\u{7f}"))
         };
-        let mut conn = inner.conn.clone();
-        let names: Vec<String> = bounded(
-            "list",
-            inner.timeout(),
-            redis::cmd("ZRANGEBYLEX")
-                .arg(inner.keys.index())
-                .arg(min)
-                .arg(max)
-                .query_async(&mut conn),
-        )
-        .await?;
+        let names: Vec<String> = inner
+            .query(
+                "list",
+                redis::cmd("ZRANGEBYLEX")
+                    .arg(inner.keys.index())
+                    .arg(min)
+                    .arg(max),
+            )
+            .await?;
         let mut out = Vec::with_capacity(names.len());
         for chunk in names.chunks(LIST_BATCH) {
             let keys: Vec<LeaseKey> = chunk
@@ -404,8 +689,7 @@ impl LeaseStore for RedisStore {
             for k in &keys {
                 inv = inv.key(inner.keys.record(k.as_str()));
             }
-            let reply: Vec<Vec<u8>> =
-                bounded("list", inner.timeout(), inv.invoke(&mut conn)).await?;
+            let reply: Vec<Vec<u8>> = inner.invoke("list", inv).await?;
             if reply.len() != keys.len() * 3 {
                 return Err(unexpected("list", &reply));
             }
@@ -430,6 +714,20 @@ impl LeaseStore for RedisStore {
         }
         Ok(out)
     }
+
+    async fn fencing_seed(&self, key: &LeaseKey) -> leasehold::Result<u64> {
+        let k = &self.inner.keys;
+        let call = (self.inner.scripts.seed.call())
+            .key(k.record(key.as_str()))
+            .key(k.rev());
+        let seed: String = self.inner.invoke("fencing_seed", call).await?;
+        seed.parse().map_err(|_| leasehold::Error::Store {
+            store: STORE,
+            message: format!("fencing_seed: unexpected script reply {seed:?}"),
+            retryable: false,
+            source: None,
+        })
+    }
 }
 
 impl fmt::Debug for RedisStore {
@@ -438,5 +736,32 @@ impl fmt::Debug for RedisStore {
             .field("url", &self.inner.config.redacted_url)
             .field("prefix", &self.inner.config.prefix)
             .finish_non_exhaustive()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::policy_can_evict_leases;
+
+    #[test]
+    fn only_allkeys_policies_can_evict_lease_keys() {
+        for policy in [
+            "allkeys-lru",
+            "allkeys-lfu",
+            "allkeys-random",
+            " ALLKEYS-LRU\r",
+        ] {
+            assert!(policy_can_evict_leases(policy), "{policy}");
+        }
+        for policy in [
+            "noeviction",
+            "volatile-lru",
+            "volatile-lfu",
+            "volatile-random",
+            "volatile-ttl",
+            "",
+        ] {
+            assert!(!policy_can_evict_leases(policy), "{policy}");
+        }
     }
 }

@@ -16,20 +16,76 @@
 //! [`leasehold::Error::Unavailable`] and the watch reconnects with backoff, re-subscribes and
 //! re-reads (step 1 and 2), coalescing whatever it missed into the latest state. The task stops
 //! when the stream is dropped.
+//!
+//! The buffer between the task and the stream is bounded ([`WATCH_BUFFER`] items). A consumer
+//! that falls further behind gets the changes coalesced: the task keeps reading the connection,
+//! holds only the latest state not yet delivered, and delivers it once there is room, so memory
+//! stays bounded and an older state never follows a newer one. Error items that find the buffer
+//! full are dropped (the consumer is behind anyway; the state that follows is the truth).
 
 use std::sync::Arc;
+use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use futures::StreamExt;
 use leasehold::{LeaseKey, Version, Versioned, WatchEvent, WatchStream};
 use redis::aio::{PubSubSink, PubSubStream};
-use tokio::sync::mpsc::UnboundedSender;
-use tokio_stream::wrappers::UnboundedReceiverStream;
+use tokio::sync::mpsc::error::TrySendError;
+use tokio::sync::mpsc::{OwnedPermit, Sender};
+use tokio_stream::wrappers::ReceiverStream;
 
 use crate::STORE;
 use crate::store::{Inner, Raw, bounded};
 
-type Tx = UnboundedSender<leasehold::Result<WatchEvent>>;
+/// How many items a watch stream buffers for a consumer that does not keep up; beyond that the
+/// changes are coalesced into the latest state (see the module docs).
+pub const WATCH_BUFFER: usize = 64;
+
+type Item = leasehold::Result<WatchEvent>;
+
+/// The sending side of a watch stream: a bounded channel and the latest state that did not fit.
+struct Tx {
+    tx: Sender<Item>,
+    /// The newest event not yet delivered because the buffer was full. Later events replace it
+    /// (coalescing), and nothing else is sent before it, so order is kept.
+    pending: Option<WatchEvent>,
+}
+
+impl Tx {
+    fn send(&mut self, ev: WatchEvent) {
+        if self.pending.is_some() {
+            self.pending = Some(ev);
+            return;
+        }
+        match self.tx.try_send(Ok(ev)) {
+            Ok(()) | Err(TrySendError::Closed(_)) => {}
+            Err(TrySendError::Full(Ok(ev))) => self.pending = Some(ev),
+            Err(TrySendError::Full(Err(_))) => {}
+        }
+    }
+
+    fn error(&mut self, e: leasehold::Error) {
+        if self.pending.is_none() {
+            // A full buffer drops the error: the consumer is behind, the state that follows is
+            // what counts.
+            let _ = self.tx.try_send(Err(e));
+        }
+    }
+
+    /// Waits for room for the pending event; never completes when there is none.
+    async fn room(&self) -> Option<OwnedPermit<Item>> {
+        if self.pending.is_none() {
+            return std::future::pending().await;
+        }
+        self.tx.clone().reserve_owned().await.ok()
+    }
+
+    fn flush(&mut self, permit: Option<OwnedPermit<Item>>) {
+        if let (Some(permit), Some(ev)) = (permit, self.pending.take()) {
+            permit.send(Ok(ev));
+        }
+    }
+}
 
 const MIN_BACKOFF: Duration = Duration::from_millis(20);
 const MAX_BACKOFF: Duration = Duration::from_secs(1);
@@ -51,11 +107,11 @@ struct Watcher {
 }
 
 impl Watcher {
-    fn emit(&self, tx: &Tx, ev: WatchEvent) {
-        let _ = tx.send(Ok(ev));
+    fn emit(&self, tx: &mut Tx, ev: WatchEvent) {
+        tx.send(ev);
     }
 
-    fn put(&mut self, tx: &Tx, version: Version, data: &[u8]) {
+    fn put(&mut self, tx: &mut Tx, version: Version, data: &[u8]) {
         if self.last == Last::At(version.clone()) {
             return;
         }
@@ -70,14 +126,14 @@ impl Watcher {
         self.emit(tx, ev);
     }
 
-    fn deleted(&mut self, tx: &Tx) {
+    fn deleted(&mut self, tx: &mut Tx) {
         if self.last != Last::Absent {
             self.last = Last::Absent;
             self.emit(tx, WatchEvent::Deleted);
         }
     }
 
-    fn apply_read(&mut self, tx: &Tx, raw: Raw, rev: u64) {
+    fn apply_read(&mut self, tx: &mut Tx, raw: Raw, rev: u64) {
         // The read is the current state: messages at or below its revision are older. (After a
         // restart that lost data the counter may restart lower; the read is still the truth.)
         self.floor = rev;
@@ -99,7 +155,7 @@ impl Watcher {
         }
     }
 
-    fn on_message(&mut self, tx: &Tx, payload: &[u8]) {
+    fn on_message(&mut self, tx: &mut Tx, payload: &[u8]) {
         let Some((kind, rest)) = split_once(payload, b':') else {
             tracing::warn!(key = %self.key, "watch: ignoring a malformed message");
             return;
@@ -148,14 +204,35 @@ fn split_once(b: &[u8], sep: u8) -> Option<(&[u8], &[u8])> {
     Some((&b[..i], &b[i + 1..]))
 }
 
+/// Subscribes on the first node that answers, starting with the one that worked last (a
+/// standalone server has one; a cluster's pub/sub reaches every node, so any seed will do).
 async fn subscribe(inner: &Inner, channel: &str) -> leasehold::Result<(PubSubSink, PubSubStream)> {
     let limit = inner.config.connect_timeout + inner.config.operation_timeout;
-    bounded("watch", limit, async {
-        let (mut sink, stream) = inner.client.get_async_pubsub().await?.split();
-        sink.subscribe(channel).await?;
-        Ok((sink, stream))
-    })
-    .await
+    let n = inner.clients.len();
+    let first = inner.pubsub_node.load(Ordering::Relaxed);
+    let mut last_err = None;
+    for i in 0..n {
+        let node = (first + i) % n;
+        let client = &inner.clients[node];
+        let r = bounded("watch", limit, async {
+            let (mut sink, stream) = client.get_async_pubsub().await?.split();
+            sink.subscribe(channel).await?;
+            Ok((sink, stream))
+        })
+        .await;
+        match r {
+            Ok(ok) => {
+                inner.pubsub_node.store(node, Ordering::Relaxed);
+                return Ok(ok);
+            }
+            Err(e) => last_err = Some(e),
+        }
+    }
+    Err(last_err.unwrap_or_else(|| leasehold::Error::Unavailable {
+        store: STORE,
+        message: "watch: no redis node configured".into(),
+        source: None,
+    }))
 }
 
 /// Subscribes, reads, and spawns the task that feeds the returned stream.
@@ -167,15 +244,16 @@ pub(crate) async fn start(
     let channel = inner.keys.channel(key.as_str());
     let (sink, stream) = subscribe(&inner, &channel).await?;
     let (raw, rev) = inner.read(&key).await?;
-    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+    let (tx, rx) = tokio::sync::mpsc::channel(WATCH_BUFFER);
+    let mut tx = Tx { tx, pending: None };
     let mut w = Watcher {
         key,
         last: after.map_or(Last::Absent, Last::At),
         floor: 0,
     };
-    w.apply_read(&tx, raw, rev);
+    w.apply_read(&mut tx, raw, rev);
     tokio::spawn(run(inner, w, channel, sink, stream, tx));
-    Ok(UnboundedReceiverStream::new(rx).boxed())
+    Ok(ReceiverStream::new(rx).boxed())
 }
 
 async fn run(
@@ -184,8 +262,9 @@ async fn run(
     channel: String,
     mut sink: PubSubSink,
     mut stream: PubSubStream,
-    tx: Tx,
+    mut tx: Tx,
 ) {
+    let closed = tx.tx.clone();
     let ping_every = inner.config.watch_ping_interval;
     let ping_limit = inner.config.operation_timeout;
     loop {
@@ -193,9 +272,10 @@ async fn run(
             tokio::time::interval_at(tokio::time::Instant::now() + ping_every, ping_every);
         let lost = loop {
             tokio::select! {
-                () = tx.closed() => return,
+                () = closed.closed() => return,
+                permit = tx.room() => tx.flush(permit),
                 msg = stream.next() => match msg {
-                    Some(msg) => w.on_message(&tx, msg.get_payload_bytes()),
+                    Some(msg) => w.on_message(&mut tx, msg.get_payload_bytes()),
                     None => break "the connection was closed".to_owned(),
                 },
                 _ = ping.tick() => {
@@ -208,11 +288,11 @@ async fn run(
             }
         };
         tracing::debug!(key = %w.key, reason = %lost, "watch connection lost; reconnecting");
-        let _ = tx.send(Err(leasehold::Error::Unavailable {
+        tx.error(leasehold::Error::Unavailable {
             store: STORE,
             message: format!("watch of {:?}: {lost}; reconnecting", w.key.as_str()),
             source: None,
-        }));
+        });
         let mut backoff = MIN_BACKOFF;
         loop {
             let attempt = async {
@@ -221,21 +301,21 @@ async fn run(
                 Ok::<_, leasehold::Error>((s, st, raw, rev))
             };
             let result = tokio::select! {
-                () = tx.closed() => return,
+                () = closed.closed() => return,
                 r = attempt => r,
             };
             match result {
                 Ok((s, st, raw, rev)) => {
                     sink = s;
                     stream = st;
-                    w.apply_read(&tx, raw, rev);
+                    w.apply_read(&mut tx, raw, rev);
                     tracing::debug!(key = %w.key, "watch resubscribed");
                     break;
                 }
                 Err(e) => {
                     tracing::debug!(key = %w.key, error = %e, "watch reconnect failed");
                     tokio::select! {
-                        () = tx.closed() => return,
+                        () = closed.closed() => return,
                         () = tokio::time::sleep(backoff) => {}
                     }
                     backoff = (backoff * 2).min(MAX_BACKOFF);

@@ -262,3 +262,245 @@ async fn leader_steps_down_while_the_server_is_paused_and_leads_again_after_resu
     a.shutdown().await.expect("the elector shuts down cleanly");
     b.shutdown().await.expect("the elector shuts down cleanly");
 }
+
+/// The server's clock in microseconds (`TIME`).
+async fn server_time_us(url: &str) -> u64 {
+    let t: Vec<String> =
+        redis::FromRedisValue::from_redis_value(raw_cmd(url, &redis::cmd("TIME")).await).unwrap();
+    t[0].parse::<u64>().unwrap() * 1_000_000 + t[1].parse::<u64>().unwrap()
+}
+
+fn num(v: &leasehold::Version) -> u64 {
+    v.as_str().parse().unwrap()
+}
+
+#[tokio::test]
+async fn versions_never_repeat_after_a_restore_from_an_older_snapshot() {
+    // A real restore: SAVE writes dump.rdb, two more writes follow, then the server is killed
+    // and restarts from that older snapshot (lower counter, older record).
+    let mut srv = Server::start();
+    let url = srv.url();
+    let s = fast_store(&url).await;
+    let k = key("restored");
+    let v1 = s.create(&k, &record("a", 1)).await.unwrap();
+    raw_cmd(&url, &redis::cmd("SAVE")).await;
+    let v2 = s.update(&k, &record("b", 2), &v1).await.unwrap();
+    let v3 = s.update(&k, &record("c", 3), &v2).await.unwrap();
+    srv.kill();
+    srv.restart();
+    until_available(&s, &k).await;
+    let restored = s
+        .get(&k)
+        .await
+        .unwrap()
+        .expect("the snapshot holds the record");
+    assert_eq!(restored.version, v1, "the snapshot is the older state");
+
+    let before = server_time_us(&url).await;
+    let v4 = s.update(&k, &record("d", 4), &v1).await.unwrap();
+    println!("versions {v1} {v2} {v3}, after the restore {v4}, server clock {before}");
+    assert!(
+        ![&v1, &v2, &v3].contains(&&v4),
+        "a version issued before the restore was issued again: {v4}"
+    );
+    assert!(
+        num(&v4) >= before,
+        "{v4} is below the server clock {before}"
+    );
+}
+
+#[tokio::test]
+async fn versions_stay_above_the_server_clock_when_the_counter_is_set_back() {
+    let srv = Server::start();
+    let url = srv.url();
+    let s = fast_store(&url).await;
+    let rev = format!("{{{}}}rev", s.config().key_prefix());
+    let k = key("set-back");
+    let other = key("other");
+    let mut seen = vec![s.create(&k, &record("a", 1)).await.unwrap()];
+    let vo = s.create(&other, &record("o", 1)).await.unwrap();
+    seen.push(vo.clone());
+    s.delete(&other, &vo).await.unwrap();
+    // An older restore or a lagging replica: the counter is far behind.
+    raw_cmd(&url, redis::cmd("SET").arg(&rev).arg(5)).await;
+    let before = server_time_us(&url).await;
+    let v = s.create(&other, &record("o", 2)).await.unwrap();
+    assert!(!seen.contains(&v), "{v} repeats one of {seen:?}");
+    assert!(num(&v) >= before, "{v} is below the server clock {before}");
+    seen.push(v);
+    let v = s.update(&k, &record("a", 2), &seen[0]).await.unwrap();
+    assert!(!seen.contains(&v), "{v} repeats one of {seen:?}");
+    assert!(seen.iter().all(|o| num(&v) > num(o)), "{v} after {seen:?}");
+}
+
+#[tokio::test]
+async fn fencing_seed_exceeds_every_earlier_version_and_token_after_delete_and_flushall() {
+    let srv = Server::start();
+    let url = srv.url();
+    let s = fast_store(&url).await;
+    let k = key("fenced");
+    let mut highest = 0u64;
+    let seed = s.fencing_seed(&k).await.unwrap();
+    let before = server_time_us(&url).await;
+    assert!(seed > 0);
+    let mut v = s.create(&k, &record("a", seed)).await.unwrap();
+    highest = highest.max(seed).max(num(&v));
+    for i in 1..=5 {
+        v = s.update(&k, &record("a", seed + i), &v).await.unwrap();
+        highest = highest.max(seed + i).max(num(&v));
+    }
+    s.delete(&k, &v).await.unwrap();
+    let after_delete = s.fencing_seed(&k).await.unwrap();
+    assert!(
+        after_delete > highest,
+        "seed {after_delete} after delete, highest seen {highest}"
+    );
+    assert!(after_delete > before);
+
+    // A restart without persistence, as FLUSHALL: the counter is gone, the clock is not.
+    raw_cmd(&url, &redis::cmd("FLUSHALL")).await;
+    let after_flush = s.fencing_seed(&k).await.unwrap();
+    println!("seeds {seed} → {after_delete} → {after_flush}; highest seen {highest}");
+    assert!(after_flush > highest);
+    assert!(after_flush > after_delete);
+    // The seed does not write: asking twice keeps growing with the clock only.
+    assert!(s.get(&k).await.unwrap().is_none());
+}
+
+/// A loopback TCP proxy that can stop forwarding on its established connections while leaving
+/// them open (a middlebox that lost its state: the peer neither answers nor resets), while new
+/// connections are forwarded again.
+struct StallingProxy {
+    port: u16,
+    stall: tokio::sync::watch::Sender<u64>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl StallingProxy {
+    async fn start(upstream: u16) -> StallingProxy {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let (stall, rx) = tokio::sync::watch::channel(0u64);
+        let task = tokio::spawn(async move {
+            let mut conns = tokio::task::JoinSet::new();
+            loop {
+                let Ok((client, _)) = listener.accept().await else {
+                    return;
+                };
+                let mut rx = rx.clone();
+                let epoch = *rx.borrow_and_update();
+                conns.spawn(async move {
+                    let Ok(server) = tokio::net::TcpStream::connect(("127.0.0.1", upstream)).await
+                    else {
+                        return;
+                    };
+                    let (mut cr, mut cw) = client.into_split();
+                    let (mut sr, mut sw) = server.into_split();
+                    let forward = async {
+                        tokio::select! {
+                            _ = tokio::io::copy(&mut cr, &mut sw) => {}
+                            _ = tokio::io::copy(&mut sr, &mut cw) => {}
+                        }
+                    };
+                    tokio::select! {
+                        () = forward => {}
+                        changed = async { rx.wait_for(|e| *e != epoch).await.is_ok() } => {
+                            let _ = changed;
+                            // Stalled: keep both sockets open and silent forever.
+                            std::future::pending::<()>().await;
+                        }
+                    }
+                });
+            }
+        });
+        StallingProxy { port, stall, task }
+    }
+
+    /// Every connection open now stops forwarding (and stays open); later ones forward.
+    fn stall_open_connections(&self) {
+        self.stall.send_modify(|e| *e += 1);
+    }
+}
+
+impl Drop for StallingProxy {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+#[tokio::test]
+async fn a_connection_that_stops_answering_is_replaced_after_consecutive_timeouts() {
+    let srv = Server::start();
+    let proxy = StallingProxy::start(srv.port).await;
+    let s = fast_store(&format!("redis://127.0.0.1:{}", proxy.port)).await;
+    let k = key("half-open");
+    let v = s.create(&k, &record("a", 1)).await.unwrap();
+
+    proxy.stall_open_connections();
+    // The store's connection is now half-open: every call times out...
+    let r = tokio::time::timeout(EVENTUALLY, s.get(&k))
+        .await
+        .expect("no hang");
+    assert!(matches!(r, Err(Error::Timeout { .. })), "{r:?}");
+    // ...until the store gives up on it and connects again (through the proxy, which forwards
+    // new connections). Without that, the calls would time out until the kernel gave up.
+    let deadline = Instant::now() + EVENTUALLY;
+    let mut timeouts = 1;
+    let got = loop {
+        match s.get(&k).await {
+            Ok(got) => break got,
+            Err(e @ Error::Timeout { .. }) => {
+                timeouts += 1;
+                assert!(
+                    Instant::now() < deadline,
+                    "still timing out after {timeouts} calls: {e}"
+                );
+            }
+            Err(e) => panic!("unexpected error {e:?}"),
+        }
+    };
+    println!(
+        "recovered after {timeouts} timeouts (rebuild after {})",
+        leasehold_redis::REBUILD_AFTER_TIMEOUTS
+    );
+    assert_eq!(got.unwrap().version, v);
+    s.update(&k, &record("a", 2), &v).await.unwrap();
+}
+
+#[tokio::test]
+async fn connect_works_and_warns_when_the_eviction_policy_can_evict_leases() {
+    // The warning itself is a log line (its decision is unit-tested in src/store.rs); the
+    // connection must work regardless.
+    let srv = Server::start_with(
+        &["--maxmemory", "64mb", "--maxmemory-policy", "allkeys-lru"],
+        false,
+    );
+    let s = fast_store(&srv.url()).await;
+    let k = key("evictable");
+    let v = s.create(&k, &record("a", 1)).await.unwrap();
+    assert_eq!(s.get(&k).await.unwrap().unwrap().version, v);
+    // Lease keys carry no TTL, which is why the volatile-* policies never evict them.
+    let p = s.config().key_prefix();
+    for name in [
+        s.record_key(&k),
+        format!("{{{p}}}index"),
+        format!("{{{p}}}rev"),
+    ] {
+        let ttl = raw_cmd(&srv.url(), redis::cmd("TTL").arg(&name)).await;
+        assert_eq!(ttl, redis::Value::Int(-1), "{name} has a TTL");
+    }
+}
+
+#[tokio::test]
+async fn a_cluster_mode_server_is_refused_at_connect() {
+    let srv = Server::start_with(&["--cluster-enabled", "yes"], false);
+    let cfg = RedisConfig::new(srv.url()).unwrap();
+    match RedisStore::connect(cfg).await {
+        Err(e @ Error::InvalidConfig(_)) => {
+            println!("{e}");
+            assert!(!e.is_retryable());
+            assert!(e.to_string().contains("cluster mode"), "{e}");
+        }
+        other => panic!("expected InvalidConfig, got {other:?}"),
+    }
+}

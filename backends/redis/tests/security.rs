@@ -10,7 +10,10 @@ use common::*;
 use futures::StreamExt;
 use leasehold::{Error, LeaseStore, WatchEvent};
 use leasehold_redis::{RedisConfig, RedisStore};
-use rcgen::{BasicConstraints, CertificateParams, CertifiedIssuer, DnType, IsCa, KeyPair, SanType};
+use rcgen::{
+    BasicConstraints, CertificateParams, CertifiedIssuer, DnType, ExtendedKeyUsagePurpose, IsCa,
+    KeyPair, SanType,
+};
 
 async fn connect(url: &str) -> leasehold::Result<RedisStore> {
     RedisStore::connect(
@@ -125,6 +128,8 @@ struct Pki {
     ca_pem: String,
     cert_pem: String,
     key_pem: String,
+    client_cert_pem: String,
+    client_key_pem: String,
 }
 
 fn ca(name: &str) -> CertifiedIssuer<'static, KeyPair> {
@@ -142,14 +147,27 @@ fn pki() -> Pki {
         .push(SanType::IpAddress("127.0.0.1".parse().unwrap()));
     let key = KeyPair::generate().unwrap();
     let cert = params.signed_by(&key, &ca).unwrap();
+    let mut client = CertificateParams::new(vec!["leasehold-client".to_owned()]).unwrap();
+    client
+        .distinguished_name
+        .push(DnType::CommonName, "leasehold-client");
+    client.extended_key_usages = vec![ExtendedKeyUsagePurpose::ClientAuth];
+    let client_key = KeyPair::generate().unwrap();
+    let client_cert = client.signed_by(&client_key, &ca).unwrap();
     Pki {
         ca_pem: ca.pem(),
         cert_pem: cert.pem(),
         key_pem: key.serialize_pem(),
+        client_cert_pem: client_cert.pem(),
+        client_key_pem: client_key.serialize_pem(),
     }
 }
 
 fn tls_server(pki: &Pki) -> Server {
+    tls_server_with(pki, false)
+}
+
+fn tls_server_with(pki: &Pki, auth_clients: bool) -> Server {
     let dir = tempfile::tempdir().unwrap();
     let write = |name: &str, text: &str| {
         let p = dir.path().join(name);
@@ -170,7 +188,7 @@ fn tls_server(pki: &Pki) -> Server {
             "--tls-ca-cert-file",
             &ca,
             "--tls-auth-clients",
-            "no",
+            if auth_clients { "yes" } else { "no" },
         ],
         true,
     );
@@ -221,4 +239,128 @@ async fn tls_with_a_wrong_ca_fails_with_a_clear_tls_error() {
         .await
         .expect("no hang");
     assert!(r.is_err());
+}
+
+#[tokio::test]
+async fn mutual_tls_needs_the_client_certificate_and_says_so_without_it() {
+    let pki = pki();
+    let srv = tls_server_with(&pki, true);
+    let base = || {
+        RedisConfig::new(srv.url())
+            .unwrap()
+            .prefix(unique_prefix())
+            .unwrap()
+            .tls_root_ca_pem(pki.ca_pem.as_bytes())
+    };
+    let r = tokio::time::timeout(Duration::from_secs(60), RedisStore::connect(base()))
+        .await
+        .expect("no hang");
+    match r {
+        Err(e @ Error::Store { .. }) => {
+            let text = e.to_string();
+            println!("mTLS error without a client certificate: {text}");
+            assert!(!e.is_retryable(), "{e:?}");
+            assert!(text.contains("TLS"), "{text}");
+            assert!(text.contains("tls_client_cert_pem"), "{text}");
+        }
+        other => panic!("expected a non-retryable TLS error, got {other:?}"),
+    }
+    let cfg = base().tls_client_cert_pem(
+        pki.client_cert_pem.as_bytes(),
+        pki.client_key_pem.as_bytes(),
+    );
+    let s = RedisStore::connect(cfg).await.unwrap();
+    exercise(&s).await;
+}
+
+#[tokio::test]
+async fn the_documented_least_privilege_acl_user_can_do_everything_the_store_does() {
+    // The README documents ACL_COMMANDS verbatim: one source of truth.
+    let readme = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/README.md"))
+        .expect("read the README");
+    assert!(
+        readme.contains(leasehold_redis::ACL_COMMANDS),
+        "the README must show ACL_COMMANDS verbatim: {}",
+        leasehold_redis::ACL_COMMANDS
+    );
+
+    let srv = Server::start();
+    let admin = srv.url();
+    for db in [0, 3] {
+        let prefix = unique_prefix();
+        let user = format!("app{db}");
+        let cfg = RedisConfig::new(format!(
+            "redis://{user}:app-pass@127.0.0.1:{}/{db}",
+            srv.port
+        ))
+        .unwrap()
+        .prefix(prefix.clone())
+        .unwrap();
+        let mut setuser = redis::cmd("ACL");
+        setuser
+            .arg("SETUSER")
+            .arg(&user)
+            .arg("reset")
+            .arg("on")
+            .arg(">app-pass");
+        for rule in cfg.acl_rules().split_whitespace() {
+            setuser.arg(rule);
+        }
+        raw_cmd(&admin, &setuser).await;
+        let s = RedisStore::connect(cfg).await.unwrap();
+        exercise(&s).await;
+
+        // Everything else the store does: list, fencing seed, the script-load path after a
+        // flushed script cache, and corrupt data (TYPE, DUMP) replaced by compare-and-swap.
+        let k = key("least-privilege");
+        let seed = s.fencing_seed(&k).await.unwrap();
+        let v = s.create(&k, &record("a", seed)).await.unwrap();
+        let listed = s
+            .list(&leasehold::KeyPrefix::new("least").unwrap())
+            .await
+            .unwrap();
+        assert_eq!(listed.len(), 1);
+        raw_cmd(&admin, redis::cmd("SCRIPT").arg("FLUSH")).await;
+        let v = s.update(&k, &record("b", seed + 1), &v).await.unwrap();
+        let admin_db = format!("{admin}/{db}");
+        raw_cmd(
+            &admin_db,
+            redis::cmd("SET").arg(s.record_key(&k)).arg("junk"),
+        )
+        .await;
+        let version = match s.get(&k).await {
+            Err(Error::Corrupt {
+                version: Some(v), ..
+            }) => v,
+            other => panic!("expected Corrupt, got {other:?}"),
+        };
+        assert_ne!(version, v);
+        let v = s
+            .update(&k, &record("c", seed + 2), &version)
+            .await
+            .unwrap();
+        s.delete(&k, &v).await.unwrap();
+        assert!(s.fencing_seed(&k).await.unwrap() > seed);
+    }
+
+    // A command the scripts run that the ACL denies is named as a permission problem.
+    let cfg = RedisConfig::new(format!("redis://nohset:pass@127.0.0.1:{}", srv.port))
+        .unwrap()
+        .prefix(unique_prefix())
+        .unwrap();
+    let mut setuser = redis::cmd("ACL");
+    setuser.arg("SETUSER").arg("nohset").arg("on").arg(">pass");
+    for rule in cfg.acl_rules().split_whitespace() {
+        setuser.arg(rule);
+    }
+    setuser.arg("-hset");
+    raw_cmd(&admin, &setuser).await;
+    let s = RedisStore::connect(cfg).await.unwrap();
+    match s.create(&key("denied"), &record("a", 1)).await {
+        Err(e @ Error::PermissionDenied { .. }) => {
+            println!("permission error in a script: {e}");
+            assert!(!e.is_retryable());
+        }
+        other => panic!("expected PermissionDenied, got {other:?}"),
+    }
 }

@@ -271,3 +271,45 @@ async fn watch_sees_every_rapid_update_in_strictly_increasing_order() {
     }
     assert_eq!(writer.await.unwrap().as_str(), last.to_string());
 }
+
+#[tokio::test]
+async fn a_watch_that_is_not_read_buffers_a_bounded_number_of_events_and_coalesces_the_rest() {
+    let s = store().await;
+    let k = key("slow-consumer");
+    let mut v = s.create(&k, &record("a", 0)).await.unwrap();
+    let mut w = s.watch(&k, Some(&v)).await.unwrap();
+    let writes = 4 * leasehold_redis::watch::WATCH_BUFFER as u64;
+    for i in 1..=writes {
+        v = s.update(&k, &record("a", i), &v).await.unwrap();
+    }
+    // Give the watch task a moment to read the rest of its connection (this only makes the
+    // count below tighter when the machine is slow; it asserts nothing about time).
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    // Read until the last write shows up: everything before it arrives in order, and the
+    // buffer held at most WATCH_BUFFER items plus the coalesced latest state.
+    let mut events = 0;
+    let mut last = 0u64;
+    loop {
+        match next(&mut w).await {
+            WatchEvent::Put(p) => {
+                events += 1;
+                let n: u64 = p.version.as_str().parse().unwrap();
+                assert!(n > last, "an older state after a newer one");
+                last = n;
+                if p.version == v {
+                    assert_eq!(p.record.transitions, writes);
+                    break;
+                }
+            }
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+    println!("{writes} writes arrived as {events} events");
+    assert!(
+        events <= leasehold_redis::watch::WATCH_BUFFER + 1,
+        "{events} events buffered for {writes} writes"
+    );
+    // And the stream keeps delivering after it caught up.
+    let v2 = s.update(&k, &record("b", 0), &v).await.unwrap();
+    expect_next_put_version(&mut w, &v2).await;
+}

@@ -307,3 +307,144 @@ pub async fn raw_cmd(url: &str, cmd: &redis::Cmd) -> redis::Value {
         .expect("raw connection");
     cmd.query_async(&mut c).await.expect("raw command")
 }
+
+/// A local Redis Cluster of `Server`s with `--cluster-enabled yes`, joined by
+/// `redis-cli --cluster create` (masters only).
+pub struct Cluster {
+    pub nodes: Vec<Server>,
+}
+
+impl Cluster {
+    pub fn start(masters: usize) -> Cluster {
+        Cluster::start_with_replicas(masters, 0)
+    }
+
+    /// `masters * (1 + replicas)` nodes, `replicas` replicas per master.
+    pub fn start_with_replicas(masters: usize, replicas: usize) -> Cluster {
+        let nodes: Vec<Server> = (0..masters * (1 + replicas))
+            .map(|_| {
+                Server::start_with(
+                    &["--cluster-enabled", "yes", "--cluster-node-timeout", "2000"],
+                    false,
+                )
+            })
+            .collect();
+        let mut cli = Command::new("redis-cli");
+        cli.arg("--cluster").arg("create");
+        for n in &nodes {
+            cli.arg(format!("127.0.0.1:{}", n.port));
+        }
+        let out = cli
+            .arg("--cluster-replicas")
+            .arg(replicas.to_string())
+            .arg("--cluster-yes")
+            .output()
+            .expect("run redis-cli (Debian package redis-tools) to create the cluster");
+        assert!(
+            out.status.success(),
+            "redis-cli --cluster create failed: {}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let c = Cluster { nodes };
+        c.wait_until_ok();
+        c
+    }
+
+    /// Runs `redis-cli -p PORT ARGS` and returns its output.
+    pub fn cli(port: u16, args: &[&str]) -> String {
+        let out = Command::new("redis-cli")
+            .arg("-p")
+            .arg(port.to_string())
+            .args(args)
+            .output()
+            .expect("run redis-cli");
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    }
+
+    /// Waits until every node reports `cluster_state:ok` and agrees on the slot owners.
+    pub fn wait_until_ok(&self) {
+        let deadline = Instant::now() + START_LIMIT;
+        loop {
+            let ok =
+                self.nodes.iter().filter(|n| n.proc.is_some()).all(|n| {
+                    Cluster::cli(n.port, &["CLUSTER", "INFO"]).contains("cluster_state:ok")
+                });
+            if ok {
+                return;
+            }
+            assert!(Instant::now() < deadline, "the cluster did not become ok");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// The node id of the node on `port`.
+    pub fn node_id(port: u16) -> String {
+        Cluster::cli(port, &["CLUSTER", "MYID"]).trim().to_owned()
+    }
+
+    /// The port of the node that owns `slot`, from `CLUSTER NODES` on `ask_port`.
+    pub fn owner(&self, slot: u16) -> u16 {
+        let alive = self
+            .nodes
+            .iter()
+            .find(|n| n.proc.is_some())
+            .expect("a live node");
+        let nodes = Cluster::cli(alive.port, &["CLUSTER", "NODES"]);
+        for line in nodes.lines() {
+            let f: Vec<&str> = line.split_whitespace().collect();
+            if f.len() < 9 || !f[2].contains("master") || f[2].contains("fail") {
+                continue;
+            }
+            let port: u16 = f[1]
+                .split('@')
+                .next()
+                .and_then(|a| a.rsplit(':').next())
+                .and_then(|p| p.parse().ok())
+                .expect("node address");
+            for range in &f[8..] {
+                let (lo, hi) = match range.split_once('-') {
+                    Some((lo, hi)) => (lo.parse::<u16>(), hi.parse::<u16>()),
+                    None => (range.parse::<u16>(), range.parse::<u16>()),
+                };
+                if let (Ok(lo), Ok(hi)) = (lo, hi)
+                    && (lo..=hi).contains(&slot)
+                {
+                    return port;
+                }
+            }
+        }
+        panic!("no owner for slot {slot}:\n{nodes}");
+    }
+
+    /// Moves `slot` from its owner to the node on `to` the way `redis-cli --cluster reshard`
+    /// does: IMPORTING/MIGRATING, MIGRATE every key, then SETSLOT NODE on every node.
+    pub fn migrate_slot(&self, slot: u16, to: u16) {
+        let from = self.owner(slot);
+        assert_ne!(from, to);
+        let (from_id, to_id) = (Cluster::node_id(from), Cluster::node_id(to));
+        let s = slot.to_string();
+        assert!(
+            Cluster::cli(to, &["CLUSTER", "SETSLOT", &s, "IMPORTING", &from_id]).contains("OK")
+        );
+        assert!(
+            Cluster::cli(from, &["CLUSTER", "SETSLOT", &s, "MIGRATING", &to_id]).contains("OK")
+        );
+        loop {
+            let keys = Cluster::cli(from, &["CLUSTER", "GETKEYSINSLOT", &s, "100"]);
+            let keys: Vec<&str> = keys.lines().filter(|l| !l.is_empty()).collect();
+            if keys.is_empty() {
+                break;
+            }
+            let port = to.to_string();
+            let mut args = vec!["MIGRATE", "127.0.0.1", &port, "", "0", "5000", "KEYS"];
+            args.extend(keys);
+            let out = Cluster::cli(from, &args);
+            assert!(out.contains("OK"), "MIGRATE failed: {out}");
+        }
+        for n in &self.nodes {
+            Cluster::cli(n.port, &["CLUSTER", "SETSLOT", &s, "NODE", &to_id]);
+        }
+        self.wait_until_ok();
+    }
+}
