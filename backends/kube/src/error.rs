@@ -213,3 +213,42 @@ pub(crate) fn map_kube(err: kube::Error, ctx: &Ctx<'_>) -> leasehold::Error {
         },
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_403_names_the_verb_the_server_names() {
+        let create_on_update = r#"leases.coordination.k8s.io "x" is forbidden: User "u" cannot create resource "leases" in API group "coordination.k8s.io" in the namespace "ns""#;
+        assert_eq!(verb_in_message(create_on_update), Some("create"));
+        // No verb named (an authorizer's own reason): the operation's verb is used.
+        assert_eq!(
+            verb_in_message(r#"leases.coordination.k8s.io "x" is forbidden: "#),
+            None
+        );
+        assert_eq!(
+            verb_in_message("User \"u\" cannot frobnicate resource"),
+            None
+        );
+        let status = Status {
+            code: 403,
+            reason: "Forbidden".into(),
+            message: create_on_update.into(),
+            ..Status::default()
+        };
+        let ctx = Ctx {
+            op: Op::Update,
+            namespace: "ns",
+            key: None,
+            expected: None,
+        };
+        let e = map_status(&status, &ctx).to_string();
+        assert!(
+            e.contains(
+                "missing RBAC permission: create leases.coordination.k8s.io in namespace ns"
+            ),
+            "{e}"
+        );
+    }
+}
