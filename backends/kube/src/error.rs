@@ -19,12 +19,23 @@ pub enum Error {
     /// A configuration value was out of range.
     #[error("invalid kubernetes store configuration: {0}")]
     InvalidConfig(String),
+
+    /// The namespace is not a Kubernetes namespace name (an RFC 1123 label: at most 63
+    /// characters from `a-z`, `0-9` and `-`, starting and ending with a letter or digit).
+    #[error("invalid kubernetes namespace {namespace:?}: {rule}")]
+    InvalidNamespace {
+        /// The namespace as given.
+        namespace: String,
+        /// The rule it breaks.
+        rule: &'static str,
+    },
 }
 
 impl From<Error> for leasehold::Error {
     fn from(e: Error) -> Self {
         match e {
             Error::InvalidConfig(msg) => leasehold::Error::InvalidConfig(msg),
+            e @ Error::InvalidNamespace { .. } => leasehold::Error::InvalidConfig(e.to_string()),
             Error::Client(source) => leasehold::Error::Store {
                 store: STORE_NAME,
                 message: format!("cannot build a Kubernetes client from the environment: {source}"),
@@ -129,7 +140,7 @@ pub(crate) fn map_status(status: &Status, ctx: &Ctx<'_>) -> leasehold::Error {
             message: format!(
                 "missing RBAC permission: {} leases.coordination.k8s.io in namespace {} \
                  (grant it with a Role, see deploy/rbac.yaml; server said: {msg})",
-                ctx.op.verb(),
+                verb_in_message(&msg).unwrap_or(ctx.op.verb()),
                 ctx.namespace
             ),
         },
@@ -153,6 +164,19 @@ pub(crate) fn map_status(status: &Status, ctx: &Ctx<'_>) -> leasehold::Error {
             source: None,
         },
     }
+}
+
+/// The RBAC verb a 403 message names (`User "u" cannot create resource "leases" …`), so that a
+/// request that needs another verb than its operation's (a `PUT` that would create needs
+/// `create`) is reported with the verb that is actually missing.
+fn verb_in_message(msg: &str) -> Option<&'static str> {
+    let (_, rest) = msg.split_once(" cannot ")?;
+    let verb = rest.split(' ').next()?;
+    [
+        "get", "list", "watch", "create", "update", "delete", "patch",
+    ]
+    .into_iter()
+    .find(|v| *v == verb)
 }
 
 /// Maps any kube-rs error.
@@ -187,5 +211,44 @@ pub(crate) fn map_kube(err: kube::Error, ctx: &Ctx<'_>) -> leasehold::Error {
             retryable: false,
             source: Some(Box::new(e)),
         },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_403_names_the_verb_the_server_names() {
+        let create_on_update = r#"leases.coordination.k8s.io "x" is forbidden: User "u" cannot create resource "leases" in API group "coordination.k8s.io" in the namespace "ns""#;
+        assert_eq!(verb_in_message(create_on_update), Some("create"));
+        // No verb named (an authorizer's own reason): the operation's verb is used.
+        assert_eq!(
+            verb_in_message(r#"leases.coordination.k8s.io "x" is forbidden: "#),
+            None
+        );
+        assert_eq!(
+            verb_in_message("User \"u\" cannot frobnicate resource"),
+            None
+        );
+        let status = Status {
+            code: 403,
+            reason: "Forbidden".into(),
+            message: create_on_update.into(),
+            ..Status::default()
+        };
+        let ctx = Ctx {
+            op: Op::Update,
+            namespace: "ns",
+            key: None,
+            expected: None,
+        };
+        let e = map_status(&status, &ctx).to_string();
+        assert!(
+            e.contains(
+                "missing RBAC permission: create leases.coordination.k8s.io in namespace ns"
+            ),
+            "{e}"
+        );
     }
 }

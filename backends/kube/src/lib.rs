@@ -23,10 +23,11 @@
 //! |---|---|---|
 //! | `get` | `GET .../leases/{key}` | `get` |
 //! | `create` | `POST .../leases` (labels from [`KubeStoreConfig::labels`]) | `create` |
-//! | `update` | `PUT .../leases/{key}` carrying the expected `resourceVersion` | `update` |
+//! | `update` | `PUT .../leases/{key}` carrying the expected `resourceVersion` and the Lease's `uid` (plus a `GET` first when the store has not seen that version, and after a 409) | `update` (and `get`) |
 //! | `delete` | `DELETE .../leases/{key}` with a `resourceVersion` precondition | `delete` |
 //! | `watch` | `GET .../leases?watch=1&fieldSelector=metadata.name={key}&allowWatchBookmarks=true&resourceVersion=…` (plus a `list` to start) | `watch`, `list` |
-//! | `list` | `GET .../leases`, filtered by name prefix on the client | `list` |
+//! | `list` | `GET .../leases?limit=500`, page by page (`continue`), filtered by name prefix on the client | `list` |
+//! | `fencing_seed` | none: the client's clock, see [`fencing_seed_at`] | |
 //!
 //! Errors: 409 `Conflict` → [`leasehold::Error::Conflict`]; 409 on create (`AlreadyExists`) →
 //! [`leasehold::Error::AlreadyExists`]; 404 → `None` (get) or [`leasehold::Error::NotFound`];
@@ -35,8 +36,31 @@
 //! the server's message; 408/429/5xx and connection failures → retryable
 //! [`leasehold::Error::Unavailable`]; a request that takes longer than
 //! [`KubeStoreConfig::request_timeout`] → [`leasehold::Error::Timeout`]. A Lease whose spec is not
-//! a lease record (a negative `leaseDurationSeconds`, a malformed time, no spec) →
-//! [`leasehold::Error::Corrupt`] with the key and resourceVersion.
+//! a lease record (a negative `leaseDurationSeconds`, a malformed time) →
+//! [`leasehold::Error::Corrupt`] with the key and resourceVersion; a Lease without a spec reads
+//! as vacant, as client-go reads it.
+//!
+//! # Updates never re-create a deleted Lease
+//!
+//! kube-apiserver lets a `PUT` to a missing Lease **create** it (the Lease strategy allows
+//! create-on-update and ignores `resourceVersion` on that path). The only precondition that path
+//! honours is a `metadata.uid` in the body. So `update` always sends the uid of the Lease as it
+//! was at `expected`: from the object the store last saw at that version (every `get`, `create`,
+//! `update`, `list` and watch event is remembered per key), or, when it has not seen that
+//! version, from a `GET` it makes first (absent → [`leasehold::Error::NotFound`], another
+//! version → [`leasehold::Error::Conflict`], without a `PUT`). A 409 on the `PUT` is followed by
+//! a `GET`: the Lease is gone → `NotFound`; it exists (another version, or re-created with
+//! another uid) → `Conflict`.
+//!
+//! # Retried writes
+//!
+//! kube-rs's default client retries requests answered with 429, 503 or 504, writes included,
+//! and this store cannot switch that off on a client it is given. A write the server committed
+//! before answering 504 is therefore replayed: a replayed `PUT` fails its resourceVersion
+//! precondition and `update` returns `Conflict` although the store holds our record; a replayed
+//! `POST` makes `create` return `AlreadyExists`. The elector handles both by reading the record
+//! back and recognising its own write (holder, transitions and acquire time), as it does after
+//! any failed write. Other users of the store must do the same.
 //!
 //! The minimal RBAC (a Role and RoleBinding in one namespace) ships in `deploy/rbac.yaml`; the
 //! README says what fails without each verb.
@@ -55,7 +79,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::fmt;
 use std::future::Future;
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
 use async_trait::async_trait;
 use k8s_openapi::api::coordination::v1::Lease;
@@ -141,12 +165,38 @@ impl KubeStoreConfig {
                 self.watch_timeout
             )));
         }
-        if let Some(ns) = &self.namespace
-            && ns.is_empty()
-        {
-            return Err(Error::InvalidConfig("namespace must not be empty".into()));
+        if let Some(ns) = &self.namespace {
+            validate_namespace(ns)?;
         }
         Ok(())
+    }
+}
+
+/// Checks that `ns` is a Kubernetes namespace name (an RFC 1123 label) before it goes into a
+/// request path.
+fn validate_namespace(ns: &str) -> std::result::Result<(), Error> {
+    let rule = if ns.is_empty() {
+        Some("a namespace must not be empty")
+    } else if ns.len() > 63 {
+        Some("a namespace must be at most 63 characters long (an RFC 1123 label)")
+    } else if !ns
+        .bytes()
+        .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == b'-')
+    {
+        Some(
+            "a namespace may only contain lower-case letters a-z, digits 0-9 and '-' (an RFC 1123 label)",
+        )
+    } else if ns.starts_with('-') || ns.ends_with('-') {
+        Some("a namespace must start and end with a lower-case letter or digit (an RFC 1123 label)")
+    } else {
+        None
+    };
+    match rule {
+        Some(rule) => Err(Error::InvalidNamespace {
+            namespace: ns.to_owned(),
+            rule,
+        }),
+        None => Ok(()),
     }
 }
 
@@ -189,12 +239,14 @@ impl KubeStore {
     /// A store using `client` (its credentials and TLS settings).
     ///
     /// # Errors
-    /// [`Error::InvalidConfig`] when a setting is out of range.
+    /// [`Error::InvalidConfig`] when a setting is out of range; [`Error::InvalidNamespace`] when
+    /// the namespace (configured, or the client's default) is not an RFC 1123 label.
     pub fn new(client: kube::Client, config: KubeStoreConfig) -> std::result::Result<Self, Error> {
         config.validate()?;
         let namespace = config
             .namespace
             .unwrap_or_else(|| client.default_namespace().to_owned());
+        validate_namespace(&namespace)?;
         let api = Api::namespaced_with(client, &namespace, &lease_resource());
         Ok(KubeStore {
             inner: Arc::new(Inner {
@@ -270,12 +322,24 @@ impl Inner {
         self.seen().remove(key);
     }
 
-    /// The object to PUT: the last one seen at `expected` with its spec replaced, or a fresh one.
+    /// The last object seen for `key`, if it is at version `expected`.
+    fn seen_at(&self, key: &LeaseKey, expected: &Version) -> Option<DynamicObject> {
+        self.seen()
+            .get(key)
+            .filter(|o| mapping::object_version(o).as_ref() == Some(expected))
+            .cloned()
+    }
+
+    /// The object to PUT: `base` (the Lease as stored at `expected`) with our spec fields
+    /// replaced. It keeps `base`'s `metadata.uid`, which kube-apiserver treats as a precondition:
+    /// a `PUT` to a Lease that no longer exists (or was re-created) fails with 409 instead of
+    /// creating it.
     fn object_for_update(
         &self,
         key: &LeaseKey,
         record: &LeaseRecord,
         expected: &Version,
+        mut obj: DynamicObject,
     ) -> Result<DynamicObject> {
         let spec = serde_json::to_value(mapping::record_to_spec(record)?).map_err(|e| {
             leasehold::Error::Invalid {
@@ -283,39 +347,127 @@ impl Inner {
                 message: format!("cannot encode the Lease spec: {e}"),
             }
         })?;
-        let cached = self
-            .seen()
-            .get(key)
-            .filter(|o| mapping::object_version(o).as_ref() == Some(expected))
-            .cloned();
-        let mut obj = match cached {
-            Some(mut obj) => {
-                // Keep foreign spec fields (preferredHolder, strategy); replace ours.
-                let mut merged = match obj.data.get("spec") {
-                    Some(serde_json::Value::Object(m)) => m.clone(),
-                    _ => serde_json::Map::new(),
-                };
-                if let serde_json::Value::Object(ours) = spec {
-                    for f in [
-                        "holderIdentity",
-                        "leaseDurationSeconds",
-                        "acquireTime",
-                        "renewTime",
-                        "leaseTransitions",
-                    ] {
-                        merged.remove(f);
-                    }
-                    merged.extend(ours);
-                }
-                obj.data = serde_json::json!({ "spec": merged });
-                // The server fills these in itself; sending stale ones is pointless.
-                obj.metadata.managed_fields = None;
-                obj
-            }
-            None => self.new_object(key, spec),
+        if obj.metadata.uid.as_deref().is_none_or(str::is_empty) {
+            return Err(leasehold::Error::Store {
+                store: STORE_NAME,
+                message: format!(
+                    "the API server served Lease {key} without a metadata.uid; refusing to update \
+                     it without a uid precondition (the update could re-create a deleted Lease)"
+                ),
+                retryable: false,
+                source: None,
+            });
+        }
+        // Keep foreign spec fields (preferredHolder, strategy); replace ours.
+        let mut merged = match obj.data.get("spec") {
+            Some(serde_json::Value::Object(m)) => m.clone(),
+            _ => serde_json::Map::new(),
         };
+        if let serde_json::Value::Object(ours) = spec {
+            for f in [
+                "holderIdentity",
+                "leaseDurationSeconds",
+                "acquireTime",
+                "renewTime",
+                "leaseTransitions",
+            ] {
+                merged.remove(f);
+            }
+            merged.extend(ours);
+        }
+        obj.data = serde_json::json!({ "spec": merged });
+        // The server fills these in itself; sending stale ones is pointless.
+        obj.metadata.managed_fields = None;
         obj.metadata.resource_version = Some(expected.as_str().to_owned());
         Ok(obj)
+    }
+
+    /// After a 409 on a `PUT`: [`NotFound`](leasehold::Error::NotFound) when the Lease is gone
+    /// (the uid precondition failed on a missing object), otherwise
+    /// [`Conflict`](leasehold::Error::Conflict).
+    async fn conflict_or_not_found(&self, key: &LeaseKey, expected: &Version) -> leasehold::Error {
+        let current = self
+            .bounded(Op::Get, Some(key), None, self.api.get_opt(key.as_str()))
+            .await;
+        match current {
+            Err(e) => e,
+            Ok(None) => {
+                self.forget(key);
+                leasehold::Error::NotFound {
+                    key: key.to_string(),
+                }
+            }
+            Ok(Some(obj)) => {
+                self.remember(key, &obj);
+                leasehold::Error::Conflict {
+                    key: key.to_string(),
+                    expected: expected.clone(),
+                }
+            }
+        }
+    }
+
+    /// One paged list of every Lease under `prefix`, sorted by key.
+    async fn list_pages(
+        &self,
+        prefix: &KeyPrefix,
+    ) -> std::result::Result<Vec<(LeaseKey, Versioned)>, ListError> {
+        let mut out = Vec::new();
+        let mut continue_token: Option<String> = None;
+        // Bounded: at most 1000 pages.
+        for _ in 0..1000 {
+            let mut params = ListParams::default().limit(LIST_PAGE_SIZE);
+            let continued = continue_token.is_some();
+            if let Some(token) = continue_token.take() {
+                params = params.continue_token(&token);
+            }
+            let page = match tokio::time::timeout(self.request_timeout, self.api.list(&params))
+                .await
+            {
+                Err(_) => return Err(ListError::Other(timeout(Op::List, self.request_timeout))),
+                Ok(Err(kube::Error::Api(status))) if continued && status.code == 410 => {
+                    let e = error::map_status(&status, &self.ctx(Op::List, None, None));
+                    return Err(ListError::ContinueExpired(e));
+                }
+                Ok(Err(e)) => {
+                    return Err(ListError::Other(map_kube(
+                        e,
+                        &self.ctx(Op::List, None, None),
+                    )));
+                }
+                Ok(Ok(page)) => page,
+            };
+            for obj in &page.items {
+                let Some(name) = obj.metadata.name.as_deref() else {
+                    continue;
+                };
+                if !name.starts_with(prefix.as_str()) {
+                    continue;
+                }
+                let Ok(key) = LeaseKey::new(name) else {
+                    tracing::warn!(
+                        name,
+                        "list: leaving out a Lease whose name is not a lease key"
+                    );
+                    continue;
+                };
+                match mapping::object_to_versioned(&key, obj) {
+                    Ok(v) => {
+                        self.remember(&key, obj);
+                        out.push((key, v));
+                    }
+                    Err(e) => {
+                        tracing::warn!(key = %key, error = %e, "list: leaving out a Lease that is not a lease record");
+                    }
+                }
+            }
+            match page.metadata.continue_.filter(|t| !t.is_empty()) {
+                Some(token) => continue_token = Some(token),
+                None => break,
+            }
+        }
+        out.sort_by(|a, b| a.0.cmp(&b.0));
+        Ok(out)
     }
 
     fn new_object(&self, key: &LeaseKey, spec: serde_json::Value) -> DynamicObject {
@@ -327,6 +479,47 @@ impl Inner {
         }
         obj
     }
+}
+
+/// Leases per list page (`limit`); the server may return fewer.
+const LIST_PAGE_SIZE: u32 = 500;
+
+/// How often `list` starts over after the server expired its continue token.
+const MAX_LIST_RESTARTS: u32 = 3;
+
+enum ListError {
+    /// 410 on a continued page: the list can start over.
+    ContinueExpired(leasehold::Error),
+    Other(leasehold::Error),
+}
+
+/// 2020-01-01T00:00:00Z in seconds since the Unix epoch: the origin of [`fencing_seed_at`].
+pub const FENCING_EPOCH_UNIX_SECS: u64 = 1_577_836_800;
+
+/// The fencing-token seed [`KubeStore`] gives a fresh Lease when the clock reads `now`: whole
+/// seconds since 2020-01-01T00:00:00Z ([`FENCING_EPOCH_UNIX_SECS`]), at least 1.
+///
+/// It fits `spec.leaseTransitions` (int32) until January 2088; after that, creating a Lease
+/// fails with [`leasehold::Error::Invalid`]. A clock before 2020 gives 1. It never panics.
+///
+/// What it guarantees, and no more: a fresh record starts above any token that a record begun
+/// at 0 (as client-go begins one) could plausibly have reached, and above any token of an
+/// earlier record of the same key unless that record averaged more than one acquisition per
+/// second over its whole life before it was deleted, or the clocks of the writers disagree (a
+/// client whose clock is behind can seed below an earlier record's tokens).
+///
+/// ```
+/// use std::time::{Duration, SystemTime};
+/// use leasehold_kube::{FENCING_EPOCH_UNIX_SECS, fencing_seed_at};
+/// let t = SystemTime::UNIX_EPOCH + Duration::from_secs(FENCING_EPOCH_UNIX_SECS + 90);
+/// assert_eq!(fencing_seed_at(t), 90);
+/// assert_eq!(fencing_seed_at(SystemTime::UNIX_EPOCH), 1);
+/// ```
+pub fn fencing_seed_at(now: SystemTime) -> u64 {
+    now.duration_since(SystemTime::UNIX_EPOCH)
+        .map(|d| d.as_secs().saturating_sub(FENCING_EPOCH_UNIX_SECS))
+        .unwrap_or(0)
+        .max(1)
 }
 
 fn version_of(key: &LeaseKey, obj: &DynamicObject) -> Result<Version> {
@@ -393,17 +586,46 @@ impl LeaseStore for KubeStore {
         expected: &Version,
     ) -> Result<Version> {
         let inner = &self.inner;
-        let obj = inner.object_for_update(key, record, expected)?;
-        let updated = inner
-            .bounded(
-                Op::Update,
-                Some(key),
-                Some(expected),
-                inner
-                    .api
-                    .replace(key.as_str(), &PostParams::default(), &obj),
-            )
-            .await?;
+        // The object at `expected`: seen before (get, list, watch, create, update), or read now.
+        // Its uid goes into the PUT as a precondition.
+        let base = match inner.seen_at(key, expected) {
+            Some(obj) => obj,
+            None => {
+                let current = inner
+                    .bounded(Op::Get, Some(key), None, inner.api.get_opt(key.as_str()))
+                    .await?;
+                let Some(obj) = current else {
+                    inner.forget(key);
+                    return Err(leasehold::Error::NotFound {
+                        key: key.to_string(),
+                    });
+                };
+                inner.remember(key, &obj);
+                if mapping::object_version(&obj).as_ref() != Some(expected) {
+                    return Err(leasehold::Error::Conflict {
+                        key: key.to_string(),
+                        expected: expected.clone(),
+                    });
+                }
+                obj
+            }
+        };
+        let obj = inner.object_for_update(key, record, expected, base)?;
+        let params = PostParams::default();
+        let put = inner.api.replace(key.as_str(), &params, &obj);
+        let updated = match tokio::time::timeout(inner.request_timeout, put).await {
+            Err(_) => return Err(timeout(Op::Update, inner.request_timeout)),
+            Ok(Err(kube::Error::Api(status))) if status.code == 409 => {
+                return Err(inner.conflict_or_not_found(key, expected).await);
+            }
+            Ok(Err(e)) => {
+                return Err(map_kube(
+                    e,
+                    &inner.ctx(Op::Update, Some(key), Some(expected)),
+                ));
+            }
+            Ok(Ok(updated)) => updated,
+        };
         inner.remember(key, &updated);
         version_of(key, &updated)
     }
@@ -429,53 +651,69 @@ impl LeaseStore for KubeStore {
         Ok(())
     }
 
+    /// The client's wall clock in whole seconds since 2020-01-01T00:00:00Z, at least 1 (see
+    /// [`fencing_seed_at`]). Kubernetes offers no monotonic counter to a client.
+    async fn fencing_seed(&self, key: &LeaseKey) -> Result<u64> {
+        let _ = key;
+        Ok(fencing_seed_at(SystemTime::now()))
+    }
+
     async fn watch(&self, key: &LeaseKey, after: Option<&Version>) -> Result<WatchStream> {
         watch::start(self.inner.clone(), key.clone(), after.cloned()).await
     }
 
     async fn list(&self, prefix: &KeyPrefix) -> Result<Vec<(LeaseKey, Versioned)>> {
-        let inner = &self.inner;
-        let mut out = Vec::new();
-        let mut continue_token: Option<String> = None;
-        // Bounded: at most 1000 pages of 500 Leases.
-        for _ in 0..1000 {
-            let mut params = ListParams::default().limit(500);
-            if let Some(token) = continue_token.take() {
-                params = params.continue_token(&token);
-            }
-            let page = inner
-                .bounded(Op::List, None, None, inner.api.list(&params))
-                .await?;
-            for obj in &page.items {
-                let Some(name) = obj.metadata.name.as_deref() else {
-                    continue;
-                };
-                if !name.starts_with(prefix.as_str()) {
-                    continue;
+        // A continue token the server has expired (410: its resourceVersion was compacted
+        // between pages) restarts the list from the beginning, at most a few times.
+        let mut restarts = 0;
+        loop {
+            match self.inner.list_pages(prefix).await {
+                Err(ListError::ContinueExpired(e)) if restarts < MAX_LIST_RESTARTS => {
+                    tracing::debug!(error = %e, "list: continue token expired; listing again");
+                    restarts += 1;
                 }
-                let Ok(key) = LeaseKey::new(name) else {
-                    tracing::warn!(
-                        name,
-                        "list: leaving out a Lease whose name is not a lease key"
-                    );
-                    continue;
-                };
-                match mapping::object_to_versioned(&key, obj) {
-                    Ok(v) => {
-                        inner.remember(&key, obj);
-                        out.push((key, v));
-                    }
-                    Err(e) => {
-                        tracing::warn!(key = %key, error = %e, "list: leaving out a Lease that is not a lease record");
-                    }
-                }
-            }
-            match page.metadata.continue_.filter(|t| !t.is_empty()) {
-                Some(token) => continue_token = Some(token),
-                None => break,
+                Err(ListError::ContinueExpired(e) | ListError::Other(e)) => return Err(e),
+                Ok(out) => return Ok(out),
             }
         }
-        out.sort_by(|a, b| a.0.cmp(&b.0));
-        Ok(out)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn at(unix_secs: u64) -> SystemTime {
+        SystemTime::UNIX_EPOCH + Duration::from_secs(unix_secs)
+    }
+
+    #[test]
+    fn fencing_seed_counts_seconds_since_2020_and_is_at_least_one() {
+        assert_eq!(fencing_seed_at(at(FENCING_EPOCH_UNIX_SECS)), 1);
+        assert_eq!(fencing_seed_at(at(FENCING_EPOCH_UNIX_SECS + 1)), 1);
+        assert_eq!(fencing_seed_at(at(FENCING_EPOCH_UNIX_SECS + 2)), 2);
+        // 2026-01-01T00:00:00Z
+        assert_eq!(fencing_seed_at(at(1_767_225_600)), 189_388_800);
+        // A clock before 2020, or before 1970, gives 1 and never panics.
+        assert_eq!(fencing_seed_at(at(1_000)), 1);
+        assert_eq!(fencing_seed_at(SystemTime::UNIX_EPOCH), 1);
+        assert_eq!(
+            fencing_seed_at(SystemTime::UNIX_EPOCH - Duration::from_secs(86_400)),
+            1
+        );
+        // Fits spec.leaseTransitions (int32) until 2088-01-19.
+        let last_fitting = FENCING_EPOCH_UNIX_SECS + u64::try_from(i32::MAX).expect("fits");
+        assert_eq!(fencing_seed_at(at(last_fitting)), 2_147_483_647);
+        assert!(fencing_seed_at(at(last_fitting + 1)) > 2_147_483_647);
+    }
+
+    #[test]
+    fn fencing_seed_never_decreases_with_the_clock() {
+        let mut last = 0;
+        for secs in (0..4_000_000_000u64).step_by(50_000_000) {
+            let seed = fencing_seed_at(at(secs));
+            assert!(seed >= last && seed >= 1);
+            last = seed;
+        }
     }
 }

@@ -10,8 +10,10 @@
 //! | `transitions`     | `spec.leaseTransitions`      | absent reads as 0                               |
 //! | version           | `metadata.resourceVersion`   | opaque, compared only for equality              |
 //!
-//! Other spec fields (`preferredHolder`, `strategy`) are left as the store found them when the
-//! store updates a Lease it has read before.
+//! A Lease without a `spec` reads as a vacant record (client-go reads it the same way).
+//!
+//! Other spec fields (`preferredHolder`, `strategy`) and the metadata (labels, annotations,
+//! owner references, finalizers) are left as the store found them when it updates a Lease.
 
 use std::time::{Duration, SystemTime};
 
@@ -130,14 +132,12 @@ pub(crate) fn object_to_versioned(key: &LeaseKey, obj: &DynamicObject) -> Result
     let Some(version) = version.clone() else {
         return Err(corrupt("the Lease has no metadata.resourceVersion".into()));
     };
-    let spec = match obj.data.get("spec") {
-        None | Some(serde_json::Value::Null) => {
-            return Err(corrupt("the Lease has no spec".into()));
-        }
-        Some(spec) => spec,
+    // A Lease without a spec reads as an empty spec (a vacant record), as client-go reads it.
+    let spec: LeaseSpec = match obj.data.get("spec") {
+        None | Some(serde_json::Value::Null) => LeaseSpec::default(),
+        Some(spec) => serde_json::from_value(spec.clone())
+            .map_err(|e| corrupt(format!("the Lease spec cannot be decoded: {e}")))?,
     };
-    let spec: LeaseSpec = serde_json::from_value(spec.clone())
-        .map_err(|e| corrupt(format!("the Lease spec cannot be decoded: {e}")))?;
     let record = spec_to_record(&spec).map_err(corrupt)?;
     Ok(Versioned { record, version })
 }

@@ -50,6 +50,12 @@ struct Watcher {
     /// The resourceVersion to resume from.
     resume_from: String,
     seen: Seen,
+    /// Events decided but not yet handed to the consumer. Bounded by construction: the stream
+    /// is pull-based (no task, no channel), `next_event` drains this queue before it reads
+    /// anything more from the server, and one server event or one re-read queues at most one
+    /// item; only a 410 answered to the very first watch request can queue a second (the
+    /// initial read, then the re-read). The server's event stream itself is read only as fast
+    /// as the consumer pulls (HTTP flow control), so nothing buffers without bound.
     pending: VecDeque<Result<WatchEvent>>,
     stream: Option<KubeStream>,
     /// Whether the current watch request delivered anything (an event or a bookmark).
@@ -68,7 +74,7 @@ pub(crate) async fn start(
         key,
         resume_from: String::new(),
         seen: Seen::Unknown,
-        pending: VecDeque::new(),
+        pending: VecDeque::with_capacity(2),
         stream: None,
         progressed: false,
         idle_reconnects: 0,

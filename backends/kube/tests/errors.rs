@@ -271,7 +271,6 @@ async fn malformed_lease_specs_are_corrupt_with_key_and_version() {
             ),
         ),
         ("wrong-type", Some(json!({"holderIdentity": 7}))),
-        ("no-spec", None),
     ];
     for (name, spec) in cases {
         let rv = server.put_raw(NAMESPACE, name, spec);
@@ -293,7 +292,7 @@ async fn malformed_lease_specs_are_corrupt_with_key_and_version() {
         .await
         .expect("list");
     assert!(listed.is_empty(), "{listed:?}");
-    let mut w = s.watch(&key("no-spec"), None).await.expect("watch");
+    let mut w = s.watch(&key("bad-time"), None).await.expect("watch");
     use futures::StreamExt;
     match w.next().await {
         Some(Ok(WatchEvent::Corrupt { version, .. })) => assert!(version.is_some()),
@@ -347,4 +346,85 @@ async fn invalid_configuration_is_rejected() {
             Error::InvalidConfig(_)
         ));
     }
+}
+
+/// A namespace goes into every request path, so it must be an RFC 1123 label; the error names
+/// the rule, at construction, before any request.
+#[tokio::test]
+async fn namespaces_that_are_not_rfc_1123_labels_are_rejected_at_construction() {
+    let server = LeaseApiServer::start().await;
+    let long = "a".repeat(64);
+    let cases = [
+        ("", "must not be empty"),
+        (long.as_str(), "at most 63 characters"),
+        ("Kube-System", "may only contain lower-case letters"),
+        ("a/b", "may only contain lower-case letters"),
+        ("a.b", "may only contain lower-case letters"),
+        ("ns%2F..", "may only contain lower-case letters"),
+        (
+            "-ns",
+            "must start and end with a lower-case letter or digit",
+        ),
+        (
+            "ns-",
+            "must start and end with a lower-case letter or digit",
+        ),
+    ];
+    let before = server.requests();
+    for (ns, rule) in cases {
+        let err = KubeStore::new(server.client(), KubeStoreConfig::default().namespace(ns))
+            .expect_err("invalid namespace");
+        match &err {
+            leasehold_kube::Error::InvalidNamespace { namespace, rule: r } => {
+                assert_eq!(namespace, ns);
+                assert!(r.contains(rule), "{r:?} should contain {rule:?}");
+            }
+            other => panic!("expected InvalidNamespace for {ns:?}, got {other:?}"),
+        }
+        assert!(matches!(Error::from(err), Error::InvalidConfig(m) if m.contains(rule)));
+    }
+    for ok in ["a", "leasehold-test", "0", &"a".repeat(63)] {
+        KubeStore::new(server.client(), KubeStoreConfig::default().namespace(ok))
+            .expect("a valid namespace");
+    }
+    // The client's default namespace is checked too.
+    let mut config = kube::Config::new(server.url().parse().expect("url"));
+    config.default_namespace = "Not_A_Label".into();
+    let client = kube::Client::try_from(config).expect("client");
+    assert!(matches!(
+        KubeStore::new(client, KubeStoreConfig::default()),
+        Err(leasehold_kube::Error::InvalidNamespace { .. })
+    ));
+    assert_eq!(server.requests(), before);
+}
+
+/// client-go reads a Lease without a spec as an empty record: vacant, not corrupt.
+#[tokio::test]
+async fn a_lease_without_spec_reads_as_vacant() {
+    let server = LeaseApiServer::start().await;
+    let s = store(&server);
+    let rv = server.put_raw(NAMESPACE, "no-spec", None);
+    let got = s
+        .get(&key("no-spec"))
+        .await
+        .expect("not corrupt")
+        .expect("exists");
+    assert!(got.record.is_vacant());
+    assert_eq!(got.record.transitions, 0);
+    assert_eq!(got.version, Version::from(rv));
+    let listed = s
+        .list(&leasehold::KeyPrefix::new("no-").expect("prefix"))
+        .await
+        .expect("list");
+    assert_eq!(listed.len(), 1);
+    use futures::StreamExt;
+    let mut w = s.watch(&key("no-spec"), None).await.expect("watch");
+    match w.next().await {
+        Some(Ok(WatchEvent::Put(v))) => assert!(v.record.is_vacant()),
+        other => panic!("expected a vacant Put, got {other:?}"),
+    }
+    // It can be acquired at its version.
+    s.update(&key("no-spec"), &record("a"), &got.version)
+        .await
+        .expect("acquire a spec-less Lease");
 }

@@ -5,51 +5,82 @@
 //!
 //! `/apis/coordination.k8s.io/v1/namespaces/{ns}/leases` and `.../leases/{name}`:
 //! - `GET` (one Lease), `GET` collection (list; `fieldSelector=metadata.name=…` and equality
-//!   `labelSelector`s), `GET ?watch=1` (watch), `POST` (create, 201), `PUT` (replace, with
-//!   optimistic concurrency on `metadata.resourceVersion`), `DELETE` (with `preconditions`).
+//!   `labelSelector`s), `GET ?watch=1` (watch), `POST` (create, 201), `PUT` (replace), `DELETE`
+//!   (with `preconditions`, answered with a success `Status` carrying the uid, as the generic
+//!   registry answers for Leases).
+//! - `PUT` as the generic registry does it for Leases: a `metadata.uid` in the body is a
+//!   precondition, checked first (409 `Precondition failed: UID in precondition: …, UID in object
+//!   meta: …`, also when the Lease does not exist); a missing Lease is **created** (201; the
+//!   Lease strategy allows create-on-update, `resourceVersion` is ignored on that path, and the
+//!   user needs the `create` verb as well); an existing Lease needs `metadata.resourceVersion`
+//!   (422 `metadata.resourceVersion: Invalid value: 0x0: must be specified for an update`) and
+//!   it must match (409 Conflict).
+//! - Metadata kept on create and update: labels, annotations, `ownerReferences`, `finalizers`
+//!   (each dropped when the client omits it, as a PUT replaces the object).
+//! - Lease validation as `ValidateLeaseSpec`: `leaseDurationSeconds > 0`, `leaseTransitions >=
+//!   0`, `strategy` either `OldestEmulationVersion` or a qualified `prefix/name`,
+//!   `preferredHolder` only with a `strategy` (several errors in one `[…]` message). The server
+//!   acts as a cluster with the `CoordinatedLeaderElection` feature gate on (the fields are kept).
+//! - `MicroTime`s (`acquireTime`, `renewTime`) decode only from Go's `RFC3339Micro`
+//!   (`2006-01-02T15:04:05.000000Z07:00`: exactly six fractional digits; `null` is the zero
+//!   time); anything else is 400 BadRequest, as Go's decoder rejects it. Stored in UTC.
 //! - One store-wide resourceVersion counter that increases by one on every write, as etcd's
 //!   revision does; a write that changes nothing (an identical `PUT`) keeps the resourceVersion,
 //!   as kube-apiserver does.
+//! - List paging: `limit` (optionally capped by [`ServerOptions::max_page_size`], as a server may
+//!   return fewer), a `continue` token and `remainingItemCount`; continued pages carry the first
+//!   page's resourceVersion; a token older than the compacted history is 410 `Expired` with
+//!   kube-apiserver's message.
 //! - Watches stream newline-separated JSON events (`ADDED`, `MODIFIED`, `DELETED`, `BOOKMARK`,
 //!   `ERROR`) over a chunked response. `resourceVersion=""`/`"0"` starts with synthetic `ADDED`
 //!   events for the current objects; `resourceVersion=N` replays every event after `N` from a
 //!   bounded history and answers an `ERROR` event with a `410 Expired` Status (`too old resource
-//!   version: N (M)`) when `N` is older than the history. `allowWatchBookmarks=true` gets a
-//!   `BOOKMARK` every bookmark interval and one before the server ends the watch at
-//!   `timeoutSeconds`.
+//!   version: N (M)`) when `N` is older than the history. A resourceVersion newer than the
+//!   server's waits up to [`ServerOptions::too_large_rv_wait`] (3 s, as the watch cache) and then
+//!   fails with 504 `Too large resource version: N, current: M`. `allowWatchBookmarks=true` gets
+//!   a `BOOKMARK` every [`ServerOptions::bookmark_interval`] (60 s by default, about
+//!   kube-apiserver's cadence) and one when the server ends the watch at `timeoutSeconds`.
 //! - Status bodies with kube-apiserver's wording (apimachinery `errors.go`): 409 `Conflict`
 //!   (`Operation cannot be fulfilled on leases.coordination.k8s.io "x": the object has been
 //!   modified; please apply your changes to the latest version and try again`), 409
 //!   `AlreadyExists` (`leases.coordination.k8s.io "x" already exists`), 404 `NotFound`
 //!   (`leases.coordination.k8s.io "x" not found`), 422 `Invalid` for names that are not
-//!   lower-case RFC 1123 subdomains and for `leaseDurationSeconds <= 0` / `leaseTransitions < 0`
-//!   (Lease validation), 401 `Unauthorized` for a missing or unknown bearer token, 403
-//!   `Forbidden` (`leases.coordination.k8s.io "x" is forbidden: User "u" cannot update resource
-//!   "leases" in API group "coordination.k8s.io" in the namespace "ns"`) when the token's user
-//!   lacks the verb.
+//!   lower-case RFC 1123 subdomains and for invalid specs, 401 `Unauthorized` for a missing or
+//!   unknown bearer token, 403 `Forbidden` (`leases.coordination.k8s.io "x" is forbidden: User
+//!   "u" cannot update resource "leases" in API group "coordination.k8s.io" in the namespace
+//!   "ns"`) when the token's user lacks the verb.
 //!
 //! # Fault controls
-//! [`LeaseApiServer::fail_next`] (answer the next N requests with an error Status),
+//! [`LeaseApiServer::fail_next`] (answer the next N requests with an error Status: 500, 503,
+//! 504 Timeout, or 429 TooManyRequests with `Retry-After: 1`),
+//! [`LeaseApiServer::fail_after_commit_next`] (commit the next N writes, then answer 504),
+//! [`LeaseApiServer::expire_next_continue`] (410 for the next N continued lists),
 //! [`LeaseApiServer::drop_next`] (close the connection of the next N requests without an
 //! answer), [`LeaseApiServer::set_delay`] (delay every answer), [`LeaseApiServer::drop_connections`]
 //! (close every open connection, watches included), [`LeaseApiServer::compact`] (forget the
-//! event history, so older watch resourceVersions are Gone), [`LeaseApiServer::put_raw`] (store a
-//! Lease without validation, as a foreign writer with etcd access could).
+//! event history, so older watch resourceVersions and continue tokens are Gone),
+//! [`LeaseApiServer::put_raw`] (store a Lease without validation, as a foreign writer with etcd
+//! access could).
 //!
 //! # What it does not emulate
 //! - TLS, client certificates, and any authentication other than static bearer tokens; RBAC is
-//!   a per-token verb set on `leases` (no Roles, no resourceNames, no namespaces scoping).
+//!   a per-token verb set on `leases` (no Roles, no resourceNames, no namespaces scoping). The
+//!   403 for a create-on-update names the `create` verb in the filter's wording; the real
+//!   server words it with the authorizer's reason.
 //! - Other resources, API discovery, `PATCH` (405), server-side apply, `managedFields`,
-//!   `generateName`, `dryRun`, finalizers and graceful deletion, `fieldValidation`, protobuf.
-//! - List paging (`limit`/`continue` are ignored: everything comes in one page),
-//!   `resourceVersionMatch`, `sendInitialEvents`, consistent reads from a cache at an older
-//!   resourceVersion, set-based label selectors and field selectors other than `metadata.name`.
-//! - A watch from a resourceVersion newer than the store's is served as a watch from now (the
-//!   real server waits, then fails with "Too large resource version").
-//! - Spec validation beyond `leaseDurationSeconds > 0` and `leaseTransitions >= 0`; unknown
-//!   spec fields are dropped (as kube-apiserver prunes them) and times are re-serialized in
-//!   `MicroTime` form.
-//! - HTTP/2, request priority and fairness (429), and the apiserver's own timeouts (504).
+//!   `generateName`, `dryRun`, graceful deletion and deletion blocked by finalizers (a
+//!   `DELETE` removes the Lease at once whatever its finalizers), owner-reference garbage
+//!   collection, `fieldValidation`, protobuf, admission.
+//! - Consistent list snapshots: a continued page shows the current Leases after the token's
+//!   last name, not the state at the first page's resourceVersion. `resourceVersionMatch`,
+//!   `sendInitialEvents`, reads from a cache at an older resourceVersion, set-based label
+//!   selectors and field selectors other than `metadata.name`.
+//! - The order of checks only approximates the registry's (uid precondition, then
+//!   resourceVersion, then validation).
+//! - Unknown spec fields are dropped (as kube-apiserver prunes them) and times are
+//!   re-serialized in `MicroTime` form.
+//! - HTTP/2, request priority and fairness (429 only by injection), slow-watcher termination,
+//!   and the apiserver's own timeouts (504 only by injection or for too-large resourceVersions).
 // Test support: not every test binary uses every helper, and error answers are whole responses.
 #![allow(dead_code, clippy::result_large_err)]
 
@@ -97,14 +128,24 @@ pub struct ServerOptions {
     /// kube-apiserver's usual 200 response carrying an `ERROR` event (some servers and
     /// proxies do this).
     pub expired_as_http_410: bool,
+    /// The most Leases one list page holds, whatever the client's `limit` (the API lets a
+    /// server return fewer than `limit`); `None`: exactly `limit`.
+    pub max_page_size: Option<usize>,
+    /// How long a watch from a resourceVersion newer than the server's waits for it before
+    /// failing with 504 "Too large resource version" (kube-apiserver's watch cache waits 3 s).
+    pub too_large_rv_wait: Duration,
 }
 
 impl Default for ServerOptions {
     fn default() -> Self {
         ServerOptions {
             history: 1000,
-            bookmark_interval: Duration::from_secs(1),
+            // kube-apiserver's watch cache sends a bookmark about once a minute (and one just
+            // before the watch's timeout).
+            bookmark_interval: Duration::from_secs(60),
             expired_as_http_410: false,
+            max_page_size: None,
+            too_large_rv_wait: Duration::from_secs(3),
         }
     }
 }
@@ -147,6 +188,8 @@ struct Shared {
     tokens: Mutex<HashMap<String, Principal>>,
     fail_next: AtomicU32,
     fail_code: AtomicU32,
+    fail_after_commit_next: AtomicU32,
+    expire_continue_next: AtomicU32,
     drop_next: AtomicU32,
     delay_ms: AtomicU64,
     requests: AtomicU64,
@@ -198,6 +241,8 @@ impl LeaseApiServer {
             tokens: Mutex::new(tokens),
             fail_next: AtomicU32::new(0),
             fail_code: AtomicU32::new(503),
+            fail_after_commit_next: AtomicU32::new(0),
+            expire_continue_next: AtomicU32::new(0),
             drop_next: AtomicU32::new(0),
             delay_ms: AtomicU64::new(0),
             requests: AtomicU64::new(0),
@@ -253,6 +298,16 @@ impl LeaseApiServer {
         self.client_with_token(Some(ADMIN_TOKEN))
     }
 
+    /// A kube client with the admin token and without kube-rs's retry of 429/503/504, to see
+    /// the server's first answer.
+    pub fn client_without_retry(&self) -> kube::Client {
+        let mut config = kube::Config::new(self.url().parse().expect("server URL"));
+        config.default_namespace = "default".into();
+        config.default_retry = false;
+        config.auth_info.token = Some(ADMIN_TOKEN.to_owned().into());
+        kube::Client::try_from(config).expect("kube client for the test server")
+    }
+
     /// Adds a token whose user may use only `verbs` on leases.
     pub fn add_token(&self, token: &str, user: &str, verbs: &[&str]) {
         lock(&self.shared.tokens).insert(
@@ -264,13 +319,29 @@ impl LeaseApiServer {
         );
     }
 
-    /// Answers the next `n` requests with a Status of HTTP `code` (503 ServiceUnavailable or
-    /// 500 InternalError wording).
+    /// Answers the next `n` requests with a Status of HTTP `code`, in kube-apiserver's wording:
+    /// 500 InternalError, 504 Timeout, 429 TooManyRequests (with `Retry-After: 1`, as priority
+    /// and fairness answers), anything else 503 ServiceUnavailable.
     pub fn fail_next(&self, n: u32, code: u16) {
         self.shared
             .fail_code
             .store(u32::from(code), Ordering::SeqCst);
         self.shared.fail_next.store(n, Ordering::SeqCst);
+    }
+
+    /// The next `n` writes (create, update, delete) are committed and then answered with 504
+    /// Timeout, as kube-apiserver does when its request deadline passes after etcd accepted the
+    /// write: the client cannot tell that the write happened.
+    pub fn fail_after_commit_next(&self, n: u32) {
+        self.shared
+            .fail_after_commit_next
+            .store(n, Ordering::SeqCst);
+    }
+
+    /// Answers the next `n` list requests that carry a `continue` token with 410 Expired, as
+    /// when the token's resourceVersion is compacted between two pages.
+    pub fn expire_next_continue(&self, n: u32) {
+        self.shared.expire_continue_next.store(n, Ordering::SeqCst);
     }
 
     /// Closes the connection of the next `n` requests without answering.
@@ -444,6 +515,30 @@ fn conflict(name: &str, why: &str) -> Response<Body> {
     )
 }
 
+/// 422 for several field errors, worded as `NewInvalid` does (one error bare, several in
+/// brackets).
+fn invalid_errors(name: &str, errs: &[FieldError]) -> Response<Body> {
+    let printed: Vec<String> = errs
+        .iter()
+        .map(|e| format!("{}: {}", e.field, e.message))
+        .collect();
+    let summary = if printed.len() == 1 {
+        printed[0].clone()
+    } else {
+        format!("[{}]", printed.join(", "))
+    };
+    let causes: Vec<Value> = errs
+        .iter()
+        .map(|e| json!({ "reason": e.reason, "message": e.message, "field": e.field }))
+        .collect();
+    status(
+        StatusCode::UNPROCESSABLE_ENTITY,
+        "Invalid",
+        format!("Lease.{GROUP} {name:?} is invalid: {summary}"),
+        Some(json!({ "name": name, "group": GROUP, "kind": "Lease", "causes": causes })),
+    )
+}
+
 fn invalid(name: &str, field: &str, value: &str, why: &str) -> Response<Body> {
     let cause = format!("Invalid value: {value}: {why}");
     status(
@@ -551,20 +646,33 @@ async fn handle(shared: Arc<Shared>, req: Request<Incoming>) -> Result<Response<
     }
     if take_one(&shared.fail_next) {
         let code = shared.fail_code.load(Ordering::SeqCst);
-        return Ok(if code == 500 {
-            status(
+        return Ok(match code {
+            500 => status(
                 StatusCode::INTERNAL_SERVER_ERROR,
                 "InternalError",
                 "Internal error occurred: injected failure".into(),
                 None,
-            )
-        } else {
-            status(
+            ),
+            504 => timeout_status(),
+            429 => {
+                let mut resp = status(
+                    StatusCode::TOO_MANY_REQUESTS,
+                    "TooManyRequests",
+                    "Too many requests, please try again later.".into(),
+                    Some(json!({ "retryAfterSeconds": 1 })),
+                );
+                resp.headers_mut().insert(
+                    hyper::header::RETRY_AFTER,
+                    hyper::header::HeaderValue::from_static("1"),
+                );
+                resp
+            }
+            _ => status(
                 StatusCode::SERVICE_UNAVAILABLE,
                 "ServiceUnavailable",
                 "the server is currently unable to handle the request".into(),
                 None,
-            )
+            ),
         });
     }
 
@@ -617,6 +725,7 @@ async fn handle(shared: Arc<Shared>, req: Request<Incoming>) -> Result<Response<
         .and_then(|h| h.to_str().ok())
         .and_then(|h| h.strip_prefix("Bearer "))
         .map(str::to_owned);
+    let can_create;
     {
         let tokens = lock(&shared.tokens);
         let Some(p) = token.as_deref().and_then(|t| tokens.get(t)) else {
@@ -628,33 +737,59 @@ async fn handle(shared: Arc<Shared>, req: Request<Incoming>) -> Result<Response<
             ));
         };
         if p.verbs.as_ref().is_some_and(|v| !v.contains(verb)) {
-            let why = format!(
-                "User {:?} cannot {verb} resource {RESOURCE:?} in API group {GROUP:?} in the namespace {ns:?}",
-                p.user
-            );
-            let (message, d) = match &name {
-                Some(n) => (format!("{QUALIFIED} {n:?} is forbidden: {why}"), details(n)),
-                None => (
-                    format!("{QUALIFIED} is forbidden: {why}"),
-                    json!({ "group": GROUP, "kind": RESOURCE }),
-                ),
-            };
-            return Ok(status(StatusCode::FORBIDDEN, "Forbidden", message, Some(d)));
+            return Ok(forbidden(&p.user, verb, &ns, name.as_deref()));
         }
+        // A PUT that creates needs `create` too (checked when it turns out to create).
+        can_create = match p.verbs.as_ref() {
+            Some(v) if !v.contains("create") => Err(p.user.clone()),
+            _ => Ok(()),
+        };
     }
 
     let body = match req.into_body().collect().await {
         Ok(b) => b.to_bytes(),
         Err(_) => return Err(Dropped),
     };
-    Ok(match verb {
-        "get" => do_get(&shared, &ns, name.as_deref().unwrap_or_default()),
+    let name = name.unwrap_or_default();
+    let resp = match verb {
+        "get" => do_get(&shared, &ns, &name),
         "list" => do_list(&shared, &ns, &q),
-        "watch" => do_watch(&shared, &ns, &q),
+        "watch" => do_watch(&shared, &ns, &q).await,
         "create" => do_create(&shared, &ns, &body),
-        "update" => do_update(&shared, &ns, name.as_deref().unwrap_or_default(), &body),
-        _ => do_delete(&shared, &ns, name.as_deref().unwrap_or_default(), &body),
-    })
+        "update" => do_update(&shared, &ns, &name, &body, can_create),
+        _ => do_delete(&shared, &ns, &name, &body),
+    };
+    let write = matches!(verb, "create" | "update" | "delete");
+    if write && resp.status().is_success() && take_one(&shared.fail_after_commit_next) {
+        return Ok(timeout_status());
+    }
+    Ok(resp)
+}
+
+/// kube-apiserver's answer when a request outlives its deadline (the write may have happened).
+fn timeout_status() -> Response<Body> {
+    status(
+        StatusCode::GATEWAY_TIMEOUT,
+        "Timeout",
+        "Timeout: request did not complete within requested timeout - context deadline exceeded"
+            .into(),
+        None,
+    )
+}
+
+/// 403 in kube-apiserver's wording.
+fn forbidden(user: &str, verb: &str, ns: &str, name: Option<&str>) -> Response<Body> {
+    let why = format!(
+        "User {user:?} cannot {verb} resource {RESOURCE:?} in API group {GROUP:?} in the namespace {ns:?}"
+    );
+    let (message, d) = match name {
+        Some(n) => (format!("{QUALIFIED} {n:?} is forbidden: {why}"), details(n)),
+        None => (
+            format!("{QUALIFIED} is forbidden: {why}"),
+            json!({ "group": GROUP, "kind": RESOURCE }),
+        ),
+    };
+    status(StatusCode::FORBIDDEN, "Forbidden", message, Some(d))
 }
 
 fn do_get(shared: &Shared, ns: &str, name: &str) -> Response<Body> {
@@ -713,11 +848,40 @@ fn do_list(shared: &Shared, ns: &str, q: &HashMap<String, String>) -> Response<B
         Err(resp) => return resp,
     };
     let st = lock(&shared.state);
-    let items: Vec<Value> = st
+    let limit = q
+        .get("limit")
+        .and_then(|l| l.parse::<usize>().ok())
+        .filter(|l| *l > 0)
+        .map(|l| shared.opts.max_page_size.map_or(l, |m| l.min(m)));
+    // A continue token is "<list resourceVersion>/<last name served>".
+    let (list_rv, after) = match q.get("continue").filter(|c| !c.is_empty()) {
+        None => (st.rv, None),
+        Some(token) => {
+            let parsed = token
+                .split_once('/')
+                .and_then(|(rv, last)| Some((rv.parse::<u64>().ok()?, last.to_owned())));
+            let Some((rv, last)) = parsed else {
+                return bad_request(format!("continue key is not valid: {token:?}"));
+            };
+            if rv < st.floor || take_one(&shared.expire_continue_next) {
+                return status(
+                    StatusCode::GONE,
+                    "Expired",
+                    "The provided continue parameter is too old to display a consistent list result. You can start a new list without the continue parameter, or use the continue token in this response to retrieve the remainder of the results. Continuing with the provided token results in an inconsistent list - objects that were created, modified, or deleted between the time the first chunk was returned and now may show up in the list.".into(),
+                    None,
+                );
+            }
+            (rv, Some(last))
+        }
+    };
+    let mut items: Vec<Value> = st
         .objects
         .iter()
         .filter(|((n, k), o)| {
-            n == ns && name.as_deref().is_none_or(|x| x == k) && matches_labels(o, &labels)
+            n == ns
+                && name.as_deref().is_none_or(|x| x == k)
+                && after.as_deref().is_none_or(|a| k.as_str() > a)
+                && matches_labels(o, &labels)
         })
         .map(|(_, o)| {
             let mut o = o.clone();
@@ -729,12 +893,25 @@ fn do_list(shared: &Shared, ns: &str, q: &HashMap<String, String>) -> Response<B
             o
         })
         .collect();
+    let mut metadata = json!({ "resourceVersion": list_rv.to_string() });
+    if let Some(limit) = limit
+        && items.len() > limit
+    {
+        let remaining = items.len() - limit;
+        items.truncate(limit);
+        let last = items
+            .last()
+            .and_then(|o| o["metadata"]["name"].as_str())
+            .unwrap_or_default();
+        metadata["continue"] = json!(format!("{list_rv}/{last}"));
+        metadata["remainingItemCount"] = json!(remaining);
+    }
     json_response(
         StatusCode::OK,
         &json!({
             "kind": "LeaseList",
             "apiVersion": "coordination.k8s.io/v1",
-            "metadata": { "resourceVersion": st.rv.to_string() },
+            "metadata": metadata,
             "items": items,
         }),
     )
@@ -752,7 +929,31 @@ fn bookmark_line(rv: u64) -> Bytes {
     )
 }
 
-fn do_watch(shared: &Arc<Shared>, ns: &str, q: &HashMap<String, String>) -> Response<Body> {
+/// A watch from a resourceVersion newer than the server's: wait for the server to catch up, then
+/// give up with kube-apiserver's 504 "Too large resource version".
+async fn wait_for_rv(shared: &Shared, from: u64) -> Result<(), Response<Body>> {
+    let deadline = tokio::time::Instant::now() + shared.opts.too_large_rv_wait;
+    loop {
+        let current = lock(&shared.state).rv;
+        if current >= from {
+            return Ok(());
+        }
+        if tokio::time::Instant::now() >= deadline {
+            return Err(status(
+                StatusCode::GATEWAY_TIMEOUT,
+                "Timeout",
+                format!("Too large resource version: {from}, current: {current}"),
+                Some(json!({
+                    "causes": [{ "reason": "ResourceVersionTooLarge", "message": "Too large resource version" }],
+                    "retryAfterSeconds": 1,
+                })),
+            ));
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+async fn do_watch(shared: &Arc<Shared>, ns: &str, q: &HashMap<String, String>) -> Response<Body> {
     let (name, labels) = match selectors(q) {
         Ok(s) => s,
         Err(resp) => return resp,
@@ -770,6 +971,11 @@ fn do_watch(shared: &Arc<Shared>, ns: &str, q: &HashMap<String, String>) -> Resp
         .and_then(|t| t.parse::<u64>().ok())
         .unwrap_or(1800);
     let rv = q.get("resourceVersion").cloned().unwrap_or_default();
+    if let Ok(from) = rv.parse::<u64>()
+        && let Err(resp) = wait_for_rv(shared, from).await
+    {
+        return resp;
+    }
     let (tx, rx) = mpsc::unbounded_channel::<Bytes>();
     let matches = |n: &str, k: &str| n == ns && name.as_deref().is_none_or(|x| x == k);
     let id;
@@ -851,28 +1057,77 @@ fn stream_response(rx: mpsc::UnboundedReceiver<Bytes>) -> Response<Body> {
     resp
 }
 
-/// Decodes and validates a Lease body; returns (name, labels, annotations, normalized spec, rv).
+/// A decoded Lease body.
 struct ParsedLease {
     name: Option<String>,
     namespace: Option<String>,
+    uid: Option<String>,
     labels: Option<Value>,
     annotations: Option<Value>,
+    owner_references: Option<Value>,
+    finalizers: Option<Value>,
     spec: Value,
     rv: Option<String>,
 }
 
+/// Whether `s` is what Go's `time.Parse(RFC3339Micro, s)` accepts (the only form a `MicroTime`
+/// decodes from): `YYYY-MM-DDTHH:MM:SS.ffffff` with exactly six fractional digits, then `Z` or
+/// `±HH:MM`, and a real date and time.
+pub fn is_rfc3339_micro(s: &str) -> bool {
+    let b = s.as_bytes();
+    if b.len() < 27 {
+        return false;
+    }
+    let digits = |r: std::ops::Range<usize>| b[r].iter().all(u8::is_ascii_digit);
+    let shape = digits(0..4)
+        && b[4] == b'-'
+        && digits(5..7)
+        && b[7] == b'-'
+        && digits(8..10)
+        && b[10] == b'T'
+        && digits(11..13)
+        && b[13] == b':'
+        && digits(14..16)
+        && b[16] == b':'
+        && digits(17..19)
+        && b[19] == b'.'
+        && digits(20..26);
+    let zone = &b[26..];
+    let zone_ok = zone == b"Z"
+        || (zone.len() == 6
+            && (zone[0] == b'+' || zone[0] == b'-')
+            && zone[1..3].iter().all(u8::is_ascii_digit)
+            && zone[3] == b':'
+            && zone[4..6].iter().all(u8::is_ascii_digit));
+    shape && zone_ok && s.parse::<k8s_openapi::jiff::Timestamp>().is_ok()
+}
+
+fn cannot_handle(e: impl std::fmt::Display) -> Response<Body> {
+    bad_request(format!(
+        "Lease in version \"v1\" cannot be handled as a Lease: {e}"
+    ))
+}
+
 fn decode_lease(body: &[u8]) -> Result<ParsedLease, Response<Body>> {
-    let v: Value = serde_json::from_slice(body).map_err(|e| {
-        bad_request(format!(
-            "Lease in version \"v1\" cannot be handled as a Lease: {e}"
-        ))
-    })?;
+    let v: Value = serde_json::from_slice(body).map_err(cannot_handle)?;
     let raw_spec = v.get("spec").cloned().unwrap_or(json!({}));
-    let spec: LeaseSpec = serde_json::from_value(raw_spec).map_err(|e| {
-        bad_request(format!(
-            "Lease in version \"v1\" cannot be handled as a Lease: {e}"
-        ))
-    })?;
+    for field in ["acquireTime", "renewTime"] {
+        match raw_spec.get(field) {
+            None | Some(Value::Null) => {}
+            Some(Value::String(t)) if is_rfc3339_micro(t) => {}
+            Some(Value::String(t)) => {
+                return Err(cannot_handle(format!(
+                    "parsing time {t:?} as \"2006-01-02T15:04:05.000000Z07:00\": cannot parse {t:?} as RFC3339Micro"
+                )));
+            }
+            Some(other) => {
+                return Err(cannot_handle(format!(
+                    "json: cannot unmarshal {other} into Go struct field LeaseSpec.spec.{field} of type string"
+                )));
+            }
+        }
+    }
+    let spec: LeaseSpec = serde_json::from_value(raw_spec).map_err(cannot_handle)?;
     let spec = serde_json::to_value(&spec).unwrap_or(json!({}));
     let md = &v["metadata"];
     let s = |f: &str| {
@@ -881,53 +1136,148 @@ fn decode_lease(body: &[u8]) -> Result<ParsedLease, Response<Body>> {
             .filter(|x| !x.is_empty())
             .map(str::to_owned)
     };
+    let non_empty_array = |f: &str| {
+        md.get(f)
+            .filter(|l| l.as_array().is_some_and(|a| !a.is_empty()))
+            .cloned()
+    };
     Ok(ParsedLease {
         name: s("name"),
         namespace: s("namespace"),
+        uid: s("uid"),
         labels: md.get("labels").filter(|l| l.is_object()).cloned(),
         annotations: md.get("annotations").filter(|l| l.is_object()).cloned(),
+        owner_references: non_empty_array("ownerReferences"),
+        finalizers: non_empty_array("finalizers"),
         spec,
         rv: s("resourceVersion"),
     })
 }
 
+/// One field error, as apimachinery's `field.Error` prints it.
+struct FieldError {
+    field: &'static str,
+    /// `FieldValueInvalid`, `FieldValueNotSupported` or `FieldValueForbidden`.
+    reason: &'static str,
+    /// The cause message, without the field.
+    message: String,
+}
+
+/// Lease validation (`ValidateLeaseSpec` of kube-apiserver's coordination API).
 fn validate_spec(name: &str, spec: &Value) -> Result<(), Response<Body>> {
+    let mut errs = Vec::new();
     if let Some(d) = spec.get("leaseDurationSeconds").and_then(Value::as_i64)
         && d <= 0
     {
-        return Err(invalid(
-            name,
-            "spec.leaseDurationSeconds",
-            &d.to_string(),
-            "must be greater than 0",
-        ));
+        errs.push(FieldError {
+            field: "spec.leaseDurationSeconds",
+            reason: "FieldValueInvalid",
+            message: format!("Invalid value: {d}: must be greater than 0"),
+        });
     }
     if let Some(t) = spec.get("leaseTransitions").and_then(Value::as_i64)
         && t < 0
     {
-        return Err(invalid(
-            name,
-            "spec.leaseTransitions",
-            &t.to_string(),
-            "must be greater than or equal to 0",
-        ));
+        errs.push(FieldError {
+            field: "spec.leaseTransitions",
+            reason: "FieldValueInvalid",
+            message: format!("Invalid value: {t}: must be greater than or equal to 0"),
+        });
     }
-    Ok(())
+    let strategy = spec.get("strategy").and_then(Value::as_str);
+    if let Some(st) = strategy {
+        if st.contains('/') {
+            if !is_qualified_name(st) {
+                errs.push(FieldError {
+                    field: "spec.strategy",
+                    reason: "FieldValueInvalid",
+                    message: format!(
+                        "Invalid value: {st:?}: a qualified name must consist of alphanumeric characters, '-', '_' or '.', and must start and end with an alphanumeric character, with an optional DNS subdomain prefix and '/'"
+                    ),
+                });
+            }
+        } else if st != "OldestEmulationVersion" {
+            errs.push(FieldError {
+                field: "spec.strategy",
+                reason: "FieldValueNotSupported",
+                message: format!(
+                    "Unsupported value: {st:?}: supported values: \"OldestEmulationVersion\""
+                ),
+            });
+        }
+    }
+    if spec
+        .get("preferredHolder")
+        .and_then(Value::as_str)
+        .is_some_and(|p| !p.is_empty())
+        && strategy.is_none_or(str::is_empty)
+    {
+        errs.push(FieldError {
+            field: "spec.preferredHolder",
+            reason: "FieldValueForbidden",
+            message: "Forbidden: may only be specified if `strategy` is defined".into(),
+        });
+    }
+    if errs.is_empty() {
+        Ok(())
+    } else {
+        Err(invalid_errors(name, &errs))
+    }
+}
+
+/// `prefix/name` as `IsQualifiedName` accepts it (a DNS subdomain prefix, a name of at most 63
+/// characters).
+fn is_qualified_name(s: &str) -> bool {
+    let Some((prefix, name)) = s.split_once('/') else {
+        return false;
+    };
+    let name_ok = !name.is_empty()
+        && name.len() <= 63
+        && name
+            .bytes()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, b'-' | b'_' | b'.'))
+        && name.as_bytes()[0].is_ascii_alphanumeric()
+        && name.as_bytes()[name.len() - 1].is_ascii_alphanumeric();
+    name_ok && is_rfc1123_subdomain(prefix)
+}
+
+fn invalid_name(name: &str) -> Option<Response<Body>> {
+    if is_rfc1123_subdomain(name) {
+        return None;
+    }
+    let why = if name.len() > 253 {
+        "must be no more than 253 characters"
+    } else {
+        RFC1123_MSG
+    };
+    Some(invalid(name, "metadata.name", &format!("{name:?}"), why))
 }
 
 fn apply_meta(obj: &mut Value, b: &ParsedLease) {
     let md = &mut obj["metadata"];
     if let Some(m) = md.as_object_mut() {
-        m.remove("labels");
-        m.remove("annotations");
+        for f in ["labels", "annotations", "ownerReferences", "finalizers"] {
+            m.remove(f);
+        }
     }
-    if let Some(l) = &b.labels {
-        md["labels"] = l.clone();
-    }
-    if let Some(a) = &b.annotations {
-        md["annotations"] = a.clone();
+    for (f, v) in [
+        ("labels", &b.labels),
+        ("annotations", &b.annotations),
+        ("ownerReferences", &b.owner_references),
+        ("finalizers", &b.finalizers),
+    ] {
+        if let Some(v) = v {
+            md[f] = v.clone();
+        }
     }
     obj["spec"] = b.spec.clone();
+}
+
+fn namespace_mismatch() -> Response<Body> {
+    bad_request(
+        "the namespace of the provided object does not match the namespace sent on the request"
+            .into(),
+    )
 }
 
 fn do_create(shared: &Arc<Shared>, ns: &str, body: &[u8]) -> Response<Body> {
@@ -946,18 +1296,10 @@ fn do_create(shared: &Arc<Shared>, ns: &str, body: &[u8]) -> Response<Body> {
         );
     };
     if b.namespace.as_deref().is_some_and(|n| n != ns) {
-        return bad_request(
-            "the namespace of the provided object does not match the namespace sent on the request"
-                .into(),
-        );
+        return namespace_mismatch();
     }
-    if !is_rfc1123_subdomain(&name) {
-        let why = if name.len() > 253 {
-            "must be no more than 253 characters"
-        } else {
-            RFC1123_MSG
-        };
-        return invalid(&name, "metadata.name", &format!("{name:?}"), why);
+    if let Some(r) = invalid_name(&name) {
+        return r;
     }
     if let Err(r) = validate_spec(&name, &b.spec) {
         return r;
@@ -982,7 +1324,24 @@ fn do_create(shared: &Arc<Shared>, ns: &str, body: &[u8]) -> Response<Body> {
     json_response(StatusCode::CREATED, &stored)
 }
 
-fn do_update(shared: &Arc<Shared>, ns: &str, name: &str, body: &[u8]) -> Response<Body> {
+fn uid_precondition_failed(name: &str, want: &str, have: &str) -> Response<Body> {
+    conflict(
+        name,
+        &format!("Precondition failed: UID in precondition: {want}, UID in object meta: {have}"),
+    )
+}
+
+/// `PUT`, as kube-apiserver's generic registry does it for Leases: a `metadata.uid` in the body
+/// is a precondition (checked first, also when the Lease does not exist); a missing Lease is
+/// created (the Lease strategy allows create-on-update, which needs the `create` verb too, and
+/// ignores `resourceVersion`); an existing one needs `resourceVersion`, which must match.
+fn do_update(
+    shared: &Arc<Shared>,
+    ns: &str,
+    name: &str,
+    body: &[u8],
+    can_create: Result<(), String>,
+) -> Response<Body> {
     let b = match decode_lease(body) {
         Ok(b) => b,
         Err(r) => return r,
@@ -994,30 +1353,64 @@ fn do_update(shared: &Arc<Shared>, ns: &str, name: &str, body: &[u8]) -> Respons
         ));
     }
     if b.namespace.as_deref().is_some_and(|n| n != ns) {
-        return bad_request(
-            "the namespace of the provided object does not match the namespace sent on the request"
-                .into(),
-        );
-    }
-    if let Err(r) = validate_spec(name, &b.spec) {
-        return r;
+        return namespace_mismatch();
     }
     let mut st = lock(&shared.state);
     let k = (ns.to_owned(), name.to_owned());
     let Some(current) = st.objects.get(&k).cloned() else {
-        return not_found(name);
+        if let Some(uid) = &b.uid {
+            return uid_precondition_failed(name, uid, "");
+        }
+        if let Err(user) = can_create {
+            return forbidden(&user, "create", ns, Some(name));
+        }
+        if let Some(r) = invalid_name(name) {
+            return r;
+        }
+        if let Err(r) = validate_spec(name, &b.spec) {
+            return r;
+        }
+        let mut obj = new_object(ns, name, &mut st.next_id);
+        apply_meta(&mut obj, &b);
+        commit(shared, &mut st, ns, name, "ADDED", obj);
+        let stored = st.objects.get(&k).cloned().unwrap_or_default();
+        return json_response(StatusCode::CREATED, &stored);
     };
+    let current_uid = current["metadata"]["uid"].as_str().unwrap_or("");
+    if let Some(uid) = &b.uid
+        && uid != current_uid
+    {
+        return uid_precondition_failed(name, uid, current_uid);
+    }
     let current_rv = current["metadata"]["resourceVersion"]
         .as_str()
         .unwrap_or("")
         .to_owned();
-    if let Some(rv) = &b.rv
-        && *rv != current_rv
-    {
+    let Some(rv) = &b.rv else {
+        return status(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "Invalid",
+            format!(
+                "{QUALIFIED} {name:?} is invalid: metadata.resourceVersion: Invalid value: 0x0: must be specified for an update"
+            ),
+            Some(json!({
+                "name": name, "group": GROUP, "kind": RESOURCE,
+                "causes": [{
+                    "reason": "FieldValueInvalid",
+                    "message": "Invalid value: 0x0: must be specified for an update",
+                    "field": "metadata.resourceVersion",
+                }],
+            })),
+        );
+    };
+    if *rv != current_rv {
         return conflict(
             name,
             "the object has been modified; please apply your changes to the latest version and try again",
         );
+    }
+    if let Err(r) = validate_spec(name, &b.spec) {
+        return r;
     }
     let mut obj = current.clone();
     apply_meta(&mut obj, &b);
@@ -1044,6 +1437,8 @@ struct DeletePreconditions {
     uid: Option<String>,
 }
 
+/// `DELETE`: immediate (Leases have no graceful deletion), answered with a success `Status`
+/// as kube-apiserver's generic registry answers it.
 fn do_delete(shared: &Arc<Shared>, ns: &str, name: &str, body: &[u8]) -> Response<Body> {
     let opts: DeleteOptions = if body.is_empty() {
         DeleteOptions::default()
@@ -1063,6 +1458,12 @@ fn do_delete(shared: &Arc<Shared>, ns: &str, name: &str, body: &[u8]) -> Respons
         .as_str()
         .unwrap_or("")
         .to_owned();
+    let current_uid = current["metadata"]["uid"].as_str().unwrap_or("").to_owned();
+    if let Some(uid) = pre.uid.as_deref()
+        && uid != current_uid
+    {
+        return uid_precondition_failed(name, uid, &current_uid);
+    }
     if let Some(rv) = pre.resource_version.as_deref()
         && rv != current_rv
     {
@@ -1073,21 +1474,17 @@ fn do_delete(shared: &Arc<Shared>, ns: &str, name: &str, body: &[u8]) -> Respons
             ),
         );
     }
-    if let Some(uid) = pre.uid.as_deref()
-        && Some(uid) != current["metadata"]["uid"].as_str()
-    {
-        return conflict(
-            name,
-            &format!(
-                "Precondition failed: UID in precondition: {uid}, UID in object meta: {}",
-                current["metadata"]["uid"].as_str().unwrap_or("")
-            ),
-        );
-    }
-    let rv = commit(shared, &mut st, ns, name, "DELETED", current.clone());
-    let mut gone = current;
-    gone["metadata"]["resourceVersion"] = json!(rv.to_string());
-    json_response(StatusCode::OK, &gone)
+    commit(shared, &mut st, ns, name, "DELETED", current);
+    json_response(
+        StatusCode::OK,
+        &json!({
+            "kind": "Status",
+            "apiVersion": "v1",
+            "metadata": {},
+            "status": "Success",
+            "details": { "name": name, "group": GROUP, "kind": RESOURCE, "uid": current_uid },
+        }),
+    )
 }
 
 /// The namespace the tests' stores use.
