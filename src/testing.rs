@@ -52,3 +52,14 @@ pub fn revoke(term: &Leadership) {
 pub fn set_status(cell: &StatusCell, status: LeaderStatus) -> bool {
     cell.set(status)
 }
+
+/// Whether `status` holds a term that was valid at the instant `at`: it began by then and its
+/// validity reached past it. Compare several electors against **one** instant (read the clock
+/// once): checking `is_leading()` of one elector after another can straddle a handover and
+/// count the old and the new leader together.
+pub fn valid_at(status: &LeaderStatus, at: Instant) -> bool {
+    match status.leadership() {
+        Some(l) => l.since() <= at && l.valid_until().is_some_and(|v| v > at),
+        None => false,
+    }
+}

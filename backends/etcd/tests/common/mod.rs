@@ -484,7 +484,12 @@ impl LeaderSampler {
             let mut seen_leader = false;
             let mut gap_start: Option<tokio::time::Instant> = None;
             while !flag.load(Ordering::Relaxed) {
-                let leading = electors.iter().filter(|e| e.is_leading()).count();
+                // One instant for all electors (see `leasehold::testing::valid_at`).
+                let now = tokio::time::Instant::now();
+                let leading = electors
+                    .iter()
+                    .filter(|e| leasehold::testing::valid_at(&e.current_status().0, now))
+                    .count();
                 if leading > 1 {
                     report.overlaps += 1;
                 }
