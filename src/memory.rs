@@ -18,7 +18,6 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use async_trait::async_trait;
 use futures::StreamExt;
 use tokio::sync::mpsc;
-use tokio_stream::wrappers::UnboundedReceiverStream;
 
 use crate::error::{Error, Result};
 use crate::store::{
@@ -44,7 +43,7 @@ struct State {
     revision: u64,
     entries: BTreeMap<LeaseKey, Entry>,
     // Events are boxed so that an idle watcher's channel block stays small.
-    watchers: HashMap<LeaseKey, Vec<mpsc::UnboundedSender<Box<WatchEvent>>>>,
+    watchers: HashMap<LeaseKey, Vec<Watcher>>,
 }
 
 /// An in-process lease store. Cheap to clone; clones share the same data.
@@ -91,13 +90,65 @@ impl MemoryStore {
     }
 }
 
+/// How many changes a watcher may have queued; past that, newer changes are coalesced into the
+/// latest state (delivered after the queued ones), as the store contract allows.
+pub const WATCH_BUFFER: usize = 64;
+
+#[derive(Debug)]
+struct Watcher {
+    tx: mpsc::Sender<Box<WatchEvent>>,
+    /// The latest change that did not fit in the queue; newer than everything queued.
+    overflow: Arc<Mutex<Option<Box<WatchEvent>>>>,
+}
+
+impl Watcher {
+    /// Queues `ev`; false once the receiver is gone.
+    fn send(&self, ev: WatchEvent) -> bool {
+        let mut overflow = self.overflow.lock().unwrap_or_else(|e| e.into_inner());
+        if overflow.is_some() {
+            // Keep the order: once something overflowed, newer changes coalesce behind it.
+            *overflow = Some(Box::new(ev));
+            return !self.tx.is_closed();
+        }
+        match self.tx.try_send(Box::new(ev)) {
+            Ok(()) => true,
+            Err(mpsc::error::TrySendError::Full(ev)) => {
+                *overflow = Some(ev);
+                true
+            }
+            Err(mpsc::error::TrySendError::Closed(_)) => false,
+        }
+    }
+}
+
 fn notify(st: &mut State, key: &LeaseKey, ev: WatchEvent) {
     if let Some(list) = st.watchers.get_mut(key) {
-        list.retain(|tx| tx.send(Box::new(ev.clone())).is_ok());
+        list.retain(|w| w.send(ev.clone()));
         if list.is_empty() {
             st.watchers.remove(key);
         }
     }
+}
+
+/// The receiving side: queued changes in order, then the coalesced latest one.
+fn watch_stream(
+    rx: mpsc::Receiver<Box<WatchEvent>>,
+    overflow: Arc<Mutex<Option<Box<WatchEvent>>>>,
+) -> WatchStream {
+    futures::stream::unfold((rx, overflow), |(mut rx, overflow)| async move {
+        let ev = match rx.try_recv() {
+            Ok(ev) => Some(ev),
+            Err(_) => {
+                let coalesced = overflow.lock().unwrap_or_else(|e| e.into_inner()).take();
+                match coalesced {
+                    Some(ev) => Some(ev),
+                    None => rx.recv().await,
+                }
+            }
+        };
+        ev.map(|ev| (Ok(*ev), (rx, overflow)))
+    })
+    .boxed()
 }
 
 fn entry_event(key: &LeaseKey, e: &Entry) -> WatchEvent {
@@ -219,20 +270,28 @@ impl LeaseStore for MemoryStore {
     }
 
     async fn watch(&self, key: &LeaseKey, after: Option<&Version>) -> Result<WatchStream> {
-        let (tx, rx) = mpsc::unbounded_channel();
+        let (tx, rx) = mpsc::channel(WATCH_BUFFER);
+        let watcher = Watcher {
+            tx,
+            overflow: Arc::default(),
+        };
+        let overflow = watcher.overflow.clone();
         let mut st = self.lock();
         match (st.entries.get(key), after) {
             (Some(e), Some(v)) if Some(e.revision) == parse_version(v) => {}
             (Some(e), _) => {
-                let _ = tx.send(Box::new(entry_event(key, e)));
+                watcher.send(entry_event(key, e));
             }
             (None, Some(_)) => {
-                let _ = tx.send(Box::new(WatchEvent::Deleted));
+                watcher.send(WatchEvent::Deleted);
             }
             (None, None) => {}
         }
-        st.watchers.entry(key.clone()).or_default().push(tx);
-        Ok(UnboundedReceiverStream::new(rx).map(|ev| Ok(*ev)).boxed())
+        let list = st.watchers.entry(key.clone()).or_default();
+        // Drop watchers whose receiver is gone (a leader re-opens its watch every term).
+        list.retain(|w| !w.tx.is_closed());
+        list.push(watcher);
+        Ok(watch_stream(rx, overflow))
     }
 
     async fn list(&self, prefix: &KeyPrefix) -> Result<Vec<(LeaseKey, Versioned)>> {
@@ -263,5 +322,45 @@ impl LeaseStore for MemoryStore {
     async fn fencing_seed(&self, key: &LeaseKey) -> Result<u64> {
         let _ = key;
         Ok(self.lock().revision.saturating_add(1))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::{Duration, SystemTime};
+
+    fn record(transitions: u64) -> LeaseRecord {
+        LeaseRecord {
+            holder_identity: "a".into(),
+            lease_duration: Duration::from_secs(1),
+            acquire_time: Some(SystemTime::UNIX_EPOCH),
+            renew_time: Some(SystemTime::UNIX_EPOCH),
+            transitions,
+        }
+    }
+
+    /// A watch that is not read buffers at most WATCH_BUFFER changes plus the coalesced latest
+    /// one, in order, and never an older state after a newer one.
+    #[tokio::test]
+    async fn an_unread_watch_buffers_a_bounded_number_of_changes() {
+        let store = MemoryStore::new();
+        let key = LeaseKey::new("bounded").expect("valid");
+        let mut v = store.create(&key, &record(0)).await.expect("created");
+        let mut w = store.watch(&key, Some(&v)).await.expect("watch");
+        let writes = WATCH_BUFFER as u64 * 4;
+        for t in 1..=writes {
+            v = store.update(&key, &record(t), &v).await.expect("updated");
+        }
+        let mut seen = Vec::new();
+        while let Ok(Some(item)) = tokio::time::timeout(Duration::from_millis(50), w.next()).await {
+            match item.expect("ok") {
+                WatchEvent::Put(p) => seen.push(p.record.transitions),
+                other => panic!("{other:?}"),
+            }
+        }
+        assert_eq!(seen.len(), WATCH_BUFFER + 1, "{seen:?}");
+        assert!(seen.windows(2).all(|w| w[0] < w[1]), "in order: {seen:?}");
+        assert_eq!(seen.last(), Some(&writes), "ends with the latest state");
     }
 }

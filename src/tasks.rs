@@ -148,17 +148,27 @@ where
     F: FnMut(LeaderContext) -> Fut,
     Fut: Future<Output = ()>,
 {
+    // The last term a task ran for, by token and start (not a guard: holding one would delay
+    // the release). A term's task runs at most once.
+    let mut last: Option<(u64, Instant)> = None;
     loop {
         let (status, mut changed) = source.current_status();
         let leadership = match status {
-            LeaderStatus::Leading(l) => l,
-            LeaderStatus::NotLeading { .. } => {
+            LeaderStatus::Leading(l)
+                if last != Some((l.fencing_token(), l.since())) && l.is_valid() =>
+            {
+                l
+            }
+            // Not leading, a term already handled, or one whose validity passed before its
+            // end was published: wait for the next status.
+            _ => {
                 tokio::select! {
                     () = parent.cancelled() => return,
                     () = &mut changed => continue,
                 }
             }
         };
+        last = Some((leadership.fencing_token(), leadership.since()));
         if parent.is_cancelled() {
             return;
         }

@@ -268,3 +268,47 @@ fn default_identities_are_unique() {
     assert!(!a.is_empty());
     assert_ne!(a, b);
 }
+
+/// A term whose validity passes while the source still reports it (the elector has not
+/// published the end yet, say after a pause): the task is cancelled with cause `LeaseLost` at
+/// the deadline and is not started again for that term.
+#[tokio::test(start_paused = true)]
+async fn a_task_is_cancelled_at_its_terms_deadline_and_not_restarted() {
+    let (l, _drained) = testing::new_term_valid_for(4, Duration::from_secs(10));
+    let cell = StatusCell::new(LeaderStatus::Leading(l.clone()));
+    drop(l);
+    let parent = CancellationToken::new();
+    let starts = Arc::new(AtomicUsize::new(0));
+    let (tx, mut rx) = recorder();
+    let runner = tokio::spawn({
+        let (cell, parent, starts) = (cell.clone(), parent.clone(), starts.clone());
+        let stop = parent.clone();
+        async move {
+            run_leader_tasks(parent, cell, move |leader| {
+                let (tx, starts, stop) = (tx.clone(), starts.clone(), stop.clone());
+                async move {
+                    if starts.fetch_add(1, Ordering::SeqCst) > 0 {
+                        stop.cancel(); // a second start for the same term: end the run
+                    }
+                    leader.cancelled().await;
+                    let _ = tx.send(("stop", leader.fencing_token(), leader.cause()));
+                }
+            })
+            .await;
+        }
+    });
+    let started = tokio::time::Instant::now();
+    assert_eq!(
+        rx.recv().await,
+        Some(("stop", 4, Some(StopCause::LeaseLost)))
+    );
+    assert!(tokio::time::Instant::now() - started >= Duration::from_secs(10));
+    tokio::time::sleep(Duration::from_secs(60)).await;
+    assert_eq!(
+        starts.load(Ordering::SeqCst),
+        1,
+        "not restarted for the same term"
+    );
+    parent.cancel();
+    runner.await.expect("joined");
+}

@@ -554,3 +554,107 @@ async fn s10_shutdown_during_an_in_flight_renewal_still_releases() {
         rec.record
     );
 }
+
+/// Ordered release with a task that ignores cancellation past the drain timeout: the term is
+/// revoked at the drain timeout, the lease is not released but left to expire, and the next
+/// leader starts only after that expiry.
+#[tokio::test(start_paused = true)]
+async fn s05b_tasks_outliving_the_drain_timeout_lose_their_term_and_the_lease_expires() {
+    let mem = MemoryStore::new();
+    released(&mem).await;
+    let store: DynLeaseStore = Arc::new(mem.clone());
+    let drain = Duration::from_secs(5);
+    let a = Arc::new(
+        Elector::spawn(store.clone(), config("a").with_drain_timeout(drain)).expect("valid"),
+    );
+    let term = leading(&mut a.subscribe()).await;
+    let b = Elector::spawn(store.clone(), config("b")).expect("valid");
+    let mut rb = b.subscribe();
+    // A guard held far past the drain timeout, as a task that ignores cancellation would.
+    let stubborn = term.clone();
+    sleep(RETRY).await;
+    let shutdown_at = Instant::now();
+    a.shutdown().await.expect("clean shutdown");
+    assert!(
+        Instant::now() >= shutdown_at + drain,
+        "shutdown waited for the drain timeout"
+    );
+    assert!(
+        stubborn.ensure_leading().is_err(),
+        "revoked at the drain timeout"
+    );
+    let rec = mem.get(&key()).await.expect("get").expect("present");
+    assert_eq!(
+        rec.record.holder_identity, "a",
+        "not released while a task still runs"
+    );
+    let lb = leading(&mut rb).await;
+    assert!(
+        lb.since() >= shutdown_at + drain + LEASE - RENEW,
+        "b led {:?} after the shutdown began: only once the unreleased lease expired",
+        lb.since() - shutdown_at
+    );
+    drop(stubborn);
+    b.shutdown().await.expect("clean shutdown");
+}
+
+/// A store call that panics inside the elector's task: the elector reports it everywhere
+/// (health, shutdown, commands) instead of pretending to be healthy, and its term is revoked.
+#[tokio::test(start_paused = true)]
+async fn s12_a_failed_elector_task_is_reported_and_its_term_revoked() {
+    #[derive(Debug)]
+    struct Panicking(MemoryStore, Arc<AtomicU64>);
+    #[async_trait]
+    impl LeaseStore for Panicking {
+        fn name(&self) -> &'static str {
+            "panicking"
+        }
+        fn capabilities(&self) -> Capabilities {
+            Capabilities::WATCH
+        }
+        async fn get(&self, key: &LeaseKey) -> Result<Option<Versioned>> {
+            self.0.get(key).await
+        }
+        async fn create(&self, key: &LeaseKey, record: &LeaseRecord) -> Result<Version> {
+            self.0.create(key, record).await
+        }
+        async fn update(&self, k: &LeaseKey, r: &LeaseRecord, v: &Version) -> Result<Version> {
+            if self.1.fetch_add(1, Ordering::SeqCst) >= 1 {
+                panic!("injected panic in a store call");
+            }
+            self.0.update(k, r, v).await
+        }
+        async fn delete(&self, key: &LeaseKey, expected: &Version) -> Result<()> {
+            self.0.delete(key, expected).await
+        }
+        async fn watch(&self, key: &LeaseKey, after: Option<&Version>) -> Result<WatchStream> {
+            self.0.watch(key, after).await
+        }
+        async fn list(&self, prefix: &KeyPrefix) -> Result<Vec<(LeaseKey, Versioned)>> {
+            self.0.list(prefix).await
+        }
+    }
+    let mem = MemoryStore::new();
+    released(&mem).await;
+    let a = Elector::spawn(
+        Arc::new(Panicking(mem.clone(), Arc::default())),
+        config("a"),
+    )
+    .expect("valid");
+    let term = leading(&mut a.subscribe()).await;
+    // The first renewal panics.
+    tokio::time::timeout(PATIENCE, a.stopped())
+        .await
+        .expect("the failed task is noticed");
+    assert!(term.ensure_leading().is_err(), "the term was revoked");
+    assert!(!a.is_leading());
+    assert!(matches!(a.check_health(), Err(Error::ElectorFailed { .. })));
+    assert!(matches!(
+        a.yield_for(Duration::from_secs(1)).await,
+        Err(Error::ElectorFailed { .. })
+    ));
+    assert!(matches!(
+        a.shutdown().await,
+        Err(Error::ElectorFailed { .. })
+    ));
+}

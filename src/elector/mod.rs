@@ -17,7 +17,11 @@
 //!    loss of the record where the store has a monotonic source (see
 //!    [`LeaseStore::fencing_seed`](crate::LeaseStore::fencing_seed) and the README's store table).
 //! 3. **Prompt takeover.** Once faults stop, some elector leads within
-//!    `lease_duration + renew_deadline + 2.2 × retry_period`, polling followers included.
+//!    `lease_duration + renew_deadline + 2.2 × retry_period` (scaled by the clock-rate bound, plus
+//!    a few store round trips), polling followers included.
+//!
+//! A record deleted or lost while its term is valid voids guarantee 1 for that term (an elector
+//! that missed the deletion cannot know the term existed); guarantee 2 still holds.
 //!
 //! # Assumptions
 //!
@@ -80,6 +84,7 @@ pub mod machine;
 
 use std::collections::HashMap;
 use std::fmt;
+use std::future::Future;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
 
@@ -254,11 +259,13 @@ enum Command {
     Yield(Duration, oneshot::Sender<()>),
 }
 
-/// Requests to the background task (a queue plus a wake-up: lighter than a channel).
+/// Requests to the background task: a queue, a shutdown flag and a waker (lighter than a
+/// channel, and polled without a stored future).
 #[derive(Default)]
 struct Commands {
     queue: Mutex<Vec<Command>>,
-    wake: tokio::sync::Notify,
+    waker: futures::task::AtomicWaker,
+    shutdown: std::sync::atomic::AtomicBool,
     closed: std::sync::atomic::AtomicBool,
 }
 
@@ -270,29 +277,28 @@ impl Commands {
         }
         q.push(c);
         drop(q);
-        self.wake.notify_one();
+        self.waker.wake();
         Ok(())
     }
 
-    fn try_recv(&self) -> Option<Command> {
-        let mut q = self.queue.lock().unwrap_or_else(|e| e.into_inner());
-        if q.is_empty() {
-            None
-        } else {
-            Some(q.remove(0))
-        }
+    fn request_shutdown(&self) {
+        self.shutdown
+            .store(true, std::sync::atomic::Ordering::SeqCst);
+        self.waker.wake();
     }
 
-    async fn recv(&self) -> Option<Command> {
-        loop {
-            if let Some(c) = self.try_recv() {
-                return Some(c);
-            }
-            if self.closed.load(std::sync::atomic::Ordering::SeqCst) {
-                return None;
-            }
-            self.wake.notified().await;
+    /// The next command, or whether a shutdown was requested (`Ready(None)`); registers the
+    /// waker first, so that nothing sent meanwhile is missed.
+    fn poll_recv(&self, cx: &mut std::task::Context<'_>) -> std::task::Poll<Option<Command>> {
+        self.waker.register(cx.waker());
+        let mut q = self.queue.lock().unwrap_or_else(|e| e.into_inner());
+        if !q.is_empty() {
+            return std::task::Poll::Ready(Some(q.remove(0)));
         }
+        if self.shutdown.load(std::sync::atomic::Ordering::SeqCst) {
+            return std::task::Poll::Ready(None);
+        }
+        std::task::Poll::Pending
     }
 
     /// Closes the queue and drops what is left in it (their callers see the elector gone).
@@ -333,7 +339,6 @@ impl Shared {
 /// does); call `shutdown` to wait for that.
 pub struct Elector {
     shared: Arc<Shared>,
-    cancel: CancellationToken,
     task: Mutex<Option<JoinHandle<()>>>,
 }
 
@@ -379,7 +384,6 @@ impl Elector {
             failed: Mutex::new(None),
             stopped: CancellationToken::new(),
         });
-        let cancel = CancellationToken::new();
         let span = tracing::info_span!(
             "leasehold_elector",
             key = %shared.config.key,
@@ -387,14 +391,13 @@ impl Elector {
         );
         let driver = Driver {
             machine,
+            store_name: store.name(),
             store,
             shared: shared.clone(),
-            cancel: cancel.clone(),
         };
         let task = tokio::spawn(driver.run().instrument(span));
         Ok(Elector {
             shared,
-            cancel,
             task: Mutex::new(Some(task)),
         })
     }
@@ -496,7 +499,7 @@ impl Elector {
     /// # Cancel safety
     /// Cancel safe: the shutdown goes ahead in the background if this future is dropped.
     pub async fn shutdown(&self) -> Result<()> {
-        self.cancel.cancel();
+        self.shared.commands.request_shutdown();
         let task = self.task.lock().unwrap_or_else(|e| e.into_inner()).take();
         match task {
             Some(task) => {
@@ -525,7 +528,7 @@ impl Elector {
 
 impl Drop for Elector {
     fn drop(&mut self) {
-        self.cancel.cancel();
+        self.shared.commands.request_shutdown();
     }
 }
 
@@ -543,8 +546,8 @@ type Pending<T> = Option<BoxFuture<'static, T>>;
 struct Driver {
     machine: Machine,
     store: DynLeaseStore,
+    store_name: &'static str,
     shared: Arc<Shared>,
-    cancel: CancellationToken,
 }
 
 async fn call(store: DynLeaseStore, key: LeaseKey, op: Op) -> Result<Reply> {
@@ -568,232 +571,294 @@ fn op_name(op: &Op) -> &'static str {
     }
 }
 
-async fn pending<T>(f: &mut Pending<T>) -> T {
-    match f {
-        Some(fut) => fut.await,
-        None => std::future::pending().await,
-    }
-}
-
-async fn next_item(
-    w: &mut Option<(WatchId, WatchStream)>,
-) -> (WatchId, Option<Result<crate::WatchEvent>>) {
-    match w {
-        Some((id, s)) => (*id, s.next().await),
-        None => std::future::pending().await,
-    }
-}
-
-async fn sleep_until(t: Option<Instant>) {
-    match t {
-        Some(t) => tokio::time::sleep_until(t).await,
-        None => std::future::pending().await,
-    }
-}
-
 impl Driver {
-    async fn run(self) {
+    /// The task: `drive`, plus failure handling. Built so that the task's future holds the driver
+    /// once (inside `drive`'s future), not twice.
+    fn run(self) -> impl Future<Output = ()> + Send + 'static {
         let shared = self.shared.clone();
         // Marks the elector stopped when this task ends, also if it panics or is aborted.
-        let _stopped = shared.stopped.clone().drop_guard();
-        let result = std::panic::AssertUnwindSafe(self.drive())
+        let stopped = shared.stopped.clone().drop_guard();
+        std::panic::AssertUnwindSafe(self.drive())
             .catch_unwind()
-            .await;
-        if let Err(panic) = result {
-            let message = panic
-                .downcast_ref::<&str>()
-                .map(|s| (*s).to_owned())
-                .or_else(|| panic.downcast_ref::<String>().cloned())
-                .unwrap_or_else(|| "a panic with a non-string payload".to_owned());
-            tracing::error!(message, "the elector's task panicked; it has stopped");
-            *shared.failed.lock().unwrap_or_else(|e| e.into_inner()) = Some(message);
-            if let Some(v) = shared
-                .validity
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .take()
-            {
-                set_validity(&v, Validity::Revoked);
-            }
-            shared.status.set(LeaderStatus::NotLeading { leader: None });
-        }
-        shared.commands.close();
+            .map(move |result| {
+                if let Err(panic) = result {
+                    let message = panic
+                        .downcast_ref::<&str>()
+                        .map(|s| (*s).to_owned())
+                        .or_else(|| panic.downcast_ref::<String>().cloned())
+                        .unwrap_or_else(|| "a panic with a non-string payload".to_owned());
+                    tracing::error!(message, "the elector's task panicked; it has stopped");
+                    *shared.failed.lock().unwrap_or_else(|e| e.into_inner()) = Some(message);
+                    if let Some(v) = shared
+                        .validity
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .take()
+                    {
+                        set_validity(&v, Validity::Revoked);
+                    }
+                    shared.status.set(LeaderStatus::NotLeading { leader: None });
+                }
+                shared.commands.close();
+                drop(stopped);
+            })
     }
 
-    async fn drive(mut self) {
-        let store_name = self.store.name();
-        let key = self.shared.config.key.clone();
-        let mut request: Pending<(RequestId, Result<Reply>)> = None;
-        let mut opening: Pending<(WatchId, Result<WatchStream>)> = None;
-        let mut watch: Option<(WatchId, WatchStream)> = None;
-        let mut term: Option<Leadership> = None;
-        let mut drained: Pending<()> = None;
-        let mut yields: HashMap<u64, oneshot::Sender<()>> = HashMap::new();
-        let mut next_yield = 0u64;
-        let mut shutdown_sent = false;
-        loop {
-            while let Some(out) = self.machine.poll_output() {
-                match out {
-                    Output::Request(req) => {
-                        let store = self.store.clone();
-                        let key = key.clone();
-                        let operation = op_name(&req.op);
-                        let deadline = Instant::from_std(req.deadline);
-                        let after = deadline.saturating_duration_since(Instant::now());
-                        let id = req.id;
-                        let op = req.op;
-                        request = Some(Box::pin(async move {
-                            let r = tokio::time::timeout_at(deadline, call(store, key, op))
-                                .await
-                                .unwrap_or(Err(Error::Timeout {
-                                    store: store_name,
-                                    operation,
-                                    after,
-                                }));
-                            (id, r)
-                        }));
-                    }
-                    Output::OpenWatch {
-                        id,
-                        after,
-                        deadline,
-                    } => {
-                        watch = None;
-                        let store = self.store.clone();
-                        let key = key.clone();
-                        let deadline = Instant::from_std(deadline);
-                        let limit = deadline.saturating_duration_since(Instant::now());
-                        opening = Some(Box::pin(async move {
-                            let r = tokio::time::timeout_at(
-                                deadline,
-                                store.watch(&key, after.as_ref()),
-                            )
+    /// Carries out the machine's outputs.
+    fn apply(&mut self, io: &mut Io) {
+        while let Some(out) = self.machine.poll_output() {
+            match out {
+                Output::Request(req) => {
+                    let store = self.store.clone();
+                    let key = self.shared.config.key.clone();
+                    let operation = op_name(&req.op);
+                    let deadline = Instant::from_std(req.deadline);
+                    let after = deadline.saturating_duration_since(Instant::now());
+                    let id = req.id;
+                    let op = req.op;
+                    let store_name = self.store_name;
+                    io.request = Some(Box::pin(async move {
+                        let r = tokio::time::timeout_at(deadline, call(store, key, op))
                             .await
                             .unwrap_or(Err(Error::Timeout {
                                 store: store_name,
-                                operation: "watch",
-                                after: limit,
+                                operation,
+                                after,
                             }));
-                            (id, r)
-                        }));
-                    }
-                    Output::CloseWatch => {
-                        watch = None;
-                        opening = None;
-                    }
-                    Output::Leading {
+                        (id, r)
+                    }));
+                }
+                Output::OpenWatch {
+                    id,
+                    after,
+                    deadline,
+                } => {
+                    io.watch = None;
+                    let store = self.store.clone();
+                    let key = self.shared.config.key.clone();
+                    let deadline = Instant::from_std(deadline);
+                    let limit = deadline.saturating_duration_since(Instant::now());
+                    let store_name = self.store_name;
+                    io.opening = Some(Box::pin(async move {
+                        let r =
+                            tokio::time::timeout_at(deadline, store.watch(&key, after.as_ref()))
+                                .await
+                                .unwrap_or(Err(Error::Timeout {
+                                    store: store_name,
+                                    operation: "watch",
+                                    after: limit,
+                                }));
+                        (id, r)
+                    }));
+                }
+                Output::CloseWatch => {
+                    io.watch = None;
+                    io.opening = None;
+                }
+                Output::Leading {
+                    fencing_token,
+                    valid_until,
+                } => {
+                    let (l, rx) = Leadership::new_term(
                         fencing_token,
-                        valid_until,
-                    } => {
-                        let (l, rx) = Leadership::new_term(
-                            fencing_token,
-                            Validity::Until(Instant::from_std(valid_until)),
-                        );
-                        *self
-                            .shared
-                            .validity
-                            .lock()
-                            .unwrap_or_else(|e| e.into_inner()) = Some(l.validity_cell());
-                        self.shared.status.set(LeaderStatus::Leading(l.clone()));
-                        term = Some(l);
-                        drained = Some(Box::pin(async move {
-                            let _ = rx.await;
-                        }));
-                    }
-                    Output::Renewed { valid_until } => {
-                        if let Some(v) = &*self
-                            .shared
-                            .validity
-                            .lock()
-                            .unwrap_or_else(|e| e.into_inner())
-                        {
-                            set_validity(v, Validity::Until(Instant::from_std(valid_until)));
-                        }
-                    }
-                    Output::TermEnded { cause } => {
-                        if let Some(l) = term.take() {
-                            l.mark_ended(cause);
-                        }
-                        self.shared
-                            .status
-                            .set(LeaderStatus::NotLeading { leader: None });
-                    }
-                    Output::Revoked => {
-                        if let Some(v) = self
-                            .shared
-                            .validity
-                            .lock()
-                            .unwrap_or_else(|e| e.into_inner())
-                            .take()
-                        {
-                            set_validity(&v, Validity::Revoked);
-                        }
-                    }
-                    Output::Following { leader } => {
-                        self.shared.status.set(LeaderStatus::NotLeading { leader });
-                    }
-                    Output::YieldDone { id } => {
-                        if let Some(tx) = yields.remove(&id) {
-                            let _ = tx.send(());
-                        }
-                    }
-                    Output::Stopped => {}
+                        Validity::Until(Instant::from_std(valid_until)),
+                    );
+                    *self
+                        .shared
+                        .validity
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner()) = Some(l.validity_cell());
+                    self.shared.status.set(LeaderStatus::Leading(l.clone()));
+                    io.term = Some(l);
+                    io.drained = Some(Box::pin(async move {
+                        let _ = rx.await;
+                    }));
                 }
-            }
-            if self.machine.is_stopped() {
-                return;
-            }
-            let wake = self.machine.poll_timeout().map(Instant::from_std);
-            // Timers first: no ready input can starve a deadline (the machine also processes due
-            // timers on every input).
-            tokio::select! {
-                biased;
-                () = sleep_until(wake) => self.machine.handle_timeout(now()),
-                () = self.cancel.cancelled(), if !shutdown_sent => {
-                    shutdown_sent = true;
-                    self.machine.handle_command(now(), machine::Command::Shutdown);
-                }
-                (id, r) = pending(&mut request) => {
-                    request = None;
-                    self.machine.handle_reply(now(), id, r);
-                }
-                (id, r) = pending(&mut opening) => {
-                    opening = None;
-                    match r {
-                        Ok(s) => {
-                            watch = Some((id, s));
-                            self.machine.handle_watch_opened(now(), id, Ok(()));
-                        }
-                        Err(e) => self.machine.handle_watch_opened(now(), id, Err(e)),
+                Output::Renewed { valid_until } => {
+                    if let Some(v) = &*self
+                        .shared
+                        .validity
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                    {
+                        set_validity(v, Validity::Until(Instant::from_std(valid_until)));
                     }
                 }
-                (id, item) = next_item(&mut watch) => {
-                    if !matches!(item, Some(Ok(_))) {
-                        watch = None;
+                Output::TermEnded { cause } => {
+                    if let Some(l) = io.term.take() {
+                        l.mark_ended(cause);
                     }
-                    self.machine.handle_watch_item(now(), id, item);
+                    self.shared
+                        .status
+                        .set(LeaderStatus::NotLeading { leader: None });
                 }
-                () = pending(&mut drained) => {
-                    drained = None;
-                    self.machine.handle_tasks_drained(now());
+                Output::Revoked => {
+                    if let Some(v) = self
+                        .shared
+                        .validity
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .take()
+                    {
+                        set_validity(&v, Validity::Revoked);
+                    }
                 }
-                cmd = self.shared.commands.recv() => match cmd {
-                    Some(Command::Yield(duration, tx)) => {
-                        next_yield += 1;
-                        yields.insert(next_yield, tx);
-                        self.machine.handle_command(
-                            now(),
-                            machine::Command::Yield { id: next_yield, duration },
-                        );
+                Output::Following { leader } => {
+                    self.shared.status.set(LeaderStatus::NotLeading { leader });
+                }
+                Output::YieldDone { id } => {
+                    if let Some(tx) = io.yields.remove(&id) {
+                        let _ = tx.send(());
                     }
-                    None => {
-                        if !shutdown_sent {
-                            shutdown_sent = true;
-                            self.machine.handle_command(now(), machine::Command::Shutdown);
-                        }
-                    }
-                },
+                }
+                Output::Stopped => {}
             }
         }
     }
+
+    /// Feeds one event back into the machine.
+    fn handle(&mut self, io: &mut Io, ev: Ev) {
+        match ev {
+            Ev::Timer => {
+                io.armed = None;
+                self.machine.handle_timeout(now());
+            }
+            Ev::Shutdown => {
+                io.shutdown_sent = true;
+                self.machine
+                    .handle_command(now(), machine::Command::Shutdown);
+            }
+            Ev::Command(Command::Yield(duration, tx)) => {
+                io.next_yield += 1;
+                io.yields.insert(io.next_yield, tx);
+                self.machine.handle_command(
+                    now(),
+                    machine::Command::Yield {
+                        id: io.next_yield,
+                        duration,
+                    },
+                );
+            }
+            Ev::Reply(id, r) => {
+                io.request = None;
+                self.machine.handle_reply(now(), id, r);
+            }
+            Ev::Opened(id, r) => {
+                io.opening = None;
+                match r {
+                    Ok(s) => {
+                        io.watch = Some((id, s));
+                        self.machine.handle_watch_opened(now(), id, Ok(()));
+                    }
+                    Err(e) => self.machine.handle_watch_opened(now(), id, Err(e)),
+                }
+            }
+            Ev::Item(id, item) => {
+                if !matches!(item, Some(Ok(_))) {
+                    io.watch = None;
+                }
+                self.machine.handle_watch_item(now(), id, item);
+            }
+            Ev::Drained => {
+                io.drained = None;
+                self.machine.handle_tasks_drained(now());
+            }
+        }
+    }
+
+    /// The driver loop. (An `async move` block rather than an `async fn`: an `async fn` keeps a
+    /// second copy of its by-value arguments in its future, rust-lang/rust#62958.)
+    #[allow(clippy::manual_async_fn)] // on purpose: see above
+    fn drive(mut self) -> impl Future<Output = ()> + Send + 'static {
+        async move {
+            let mut io = Io::default();
+            let mut sleep = Box::pin(tokio::time::sleep_until(Instant::now()));
+            loop {
+                self.apply(&mut io);
+                if self.machine.is_stopped() {
+                    return;
+                }
+                let wake = self.machine.poll_timeout().map(Instant::from_std);
+                if wake != io.armed {
+                    if let Some(t) = wake {
+                        sleep.as_mut().reset(t);
+                    }
+                    io.armed = wake;
+                }
+                // One poll over every source, timers first: no ready input can starve a deadline
+                // (the machine also processes due timers on every input). Polling persistent
+                // sources keeps the task small (no per-branch futures held across the wait).
+                let shared = &self.shared;
+                let ev = std::future::poll_fn(|cx| io.poll(cx, shared, sleep.as_mut())).await;
+                self.handle(&mut io, ev);
+            }
+        }
+    }
+}
+
+/// The driver's I/O in flight.
+#[derive(Default)]
+struct Io {
+    request: Pending<(RequestId, Result<Reply>)>,
+    opening: Pending<(WatchId, Result<WatchStream>)>,
+    watch: Option<(WatchId, WatchStream)>,
+    term: Option<Leadership>,
+    drained: Pending<()>,
+    yields: HashMap<u64, oneshot::Sender<()>>,
+    next_yield: u64,
+    shutdown_sent: bool,
+    armed: Option<Instant>,
+}
+
+impl Io {
+    fn poll(
+        &mut self,
+        cx: &mut std::task::Context<'_>,
+        shared: &Shared,
+        sleep: std::pin::Pin<&mut tokio::time::Sleep>,
+    ) -> std::task::Poll<Ev> {
+        use std::task::Poll;
+        if self.armed.is_some() && sleep.poll(cx).is_ready() {
+            return Poll::Ready(Ev::Timer);
+        }
+        if let Poll::Ready(c) = shared.commands.poll_recv(cx) {
+            match c {
+                Some(c) => return Poll::Ready(Ev::Command(c)),
+                None if !self.shutdown_sent => return Poll::Ready(Ev::Shutdown),
+                None => {}
+            }
+        }
+        if let Some(f) = self.request.as_mut()
+            && let Poll::Ready((id, r)) = f.as_mut().poll(cx)
+        {
+            return Poll::Ready(Ev::Reply(id, r));
+        }
+        if let Some(f) = self.opening.as_mut()
+            && let Poll::Ready((id, r)) = f.as_mut().poll(cx)
+        {
+            return Poll::Ready(Ev::Opened(id, r));
+        }
+        if let Some((id, s)) = self.watch.as_mut()
+            && let Poll::Ready(item) = s.poll_next_unpin(cx)
+        {
+            return Poll::Ready(Ev::Item(*id, item));
+        }
+        if let Some(f) = self.drained.as_mut()
+            && f.as_mut().poll(cx).is_ready()
+        {
+            return Poll::Ready(Ev::Drained);
+        }
+        Poll::Pending
+    }
+}
+
+/// What woke the driver.
+enum Ev {
+    Timer,
+    Shutdown,
+    Command(Command),
+    Reply(RequestId, Result<Reply>),
+    Opened(WatchId, Result<WatchStream>),
+    Item(WatchId, Option<Result<crate::WatchEvent>>),
+    Drained,
 }
