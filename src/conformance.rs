@@ -384,9 +384,11 @@ pub async fn store_list_by_prefix(store: DynLeaseStore) {
     );
 }
 
-/// Invalid keys should be rejected with `InvalidKey` naming the rule, before any store sees them.
+/// Invalid keys and prefixes should be rejected before they reach a store (typed
+/// `InvalidKey` naming the rule), and every shape of valid key at the edges of the rules should
+/// reach the store unchanged: created, read back and listed under its own name, distinct from
+/// keys that differ only in `.` versus `-`.
 pub async fn store_invalid_keys_rejected(store: DynLeaseStore) {
-    let _ = store;
     let too_long = "a".repeat(MAX_KEY_LEN + 1);
     for bad in [
         "",
@@ -411,6 +413,43 @@ pub async fn store_invalid_keys_rejected(store: DynLeaseStore) {
     }
     for bad in ["-x", "A", "a..", "x/"] {
         assert!(KeyPrefix::new(bad).is_err(), "prefix {bad:?} is invalid");
+    }
+    // Valid keys at the edges of the rules, under a fresh prefix.
+    let prefix = unique_prefix();
+    let longest = format!("{prefix}{}", "a".repeat(MAX_KEY_LEN - prefix.len()));
+    let dotted = format!("{prefix}{}", ["x"; 40].join("."));
+    let shapes = [
+        format!("{prefix}a.b"),
+        format!("{prefix}a-b"),
+        format!("{prefix}0"),
+        format!("{prefix}9.z-0"),
+        dotted,
+        longest,
+    ];
+    let mut created = Vec::new();
+    for (i, name) in shapes.iter().enumerate() {
+        let key = LeaseKey::new(name).unwrap_or_else(|e| panic!("{name:?} is valid: {e}"));
+        let rec = sample_record(&format!("holder-{i}"), i as u64);
+        let version = fail("create", store.create(&key, &rec).await);
+        let got = fail("get", store.get(&key).await)
+            .unwrap_or_else(|| panic!("{name:?} reads back"));
+        assert_eq!(got.record, rec, "{name:?} round-trips");
+        assert_eq!(got.version, version);
+        created.push((key, version));
+    }
+    let listed = fail(
+        "list",
+        store
+            .list(&KeyPrefix::new(&prefix).expect("valid prefix"))
+            .await,
+    );
+    let mut names: Vec<&str> = listed.iter().map(|(k, _)| k.as_str()).collect();
+    names.sort_unstable();
+    let mut want: Vec<&str> = shapes.iter().map(String::as_str).collect();
+    want.sort_unstable();
+    assert_eq!(names, want, "every key listed under its own name, none merged");
+    for (key, version) in created {
+        fail("delete", store.delete(&key, &version).await);
     }
 }
 
