@@ -21,7 +21,9 @@
 //!    a few store round trips), polling followers included.
 //!
 //! A record deleted or lost while its term is valid voids guarantee 1 for that term (an elector
-//! that missed the deletion cannot know the term existed); guarantee 2 still holds.
+//! that missed the deletion cannot know the term existed). Such a void term can only carry a
+//! *lower* token than the terms after it, so fencing rejects its writes; every other term's
+//! token exceeds all earlier ones.
 //!
 //! # Assumptions
 //!
