@@ -431,8 +431,8 @@ pub async fn store_invalid_keys_rejected(store: DynLeaseStore) {
         let key = LeaseKey::new(name).unwrap_or_else(|e| panic!("{name:?} is valid: {e}"));
         let rec = sample_record(&format!("holder-{i}"), i as u64);
         let version = fail("create", store.create(&key, &rec).await);
-        let got = fail("get", store.get(&key).await)
-            .unwrap_or_else(|| panic!("{name:?} reads back"));
+        let got =
+            fail("get", store.get(&key).await).unwrap_or_else(|| panic!("{name:?} reads back"));
         assert_eq!(got.record, rec, "{name:?} round-trips");
         assert_eq!(got.version, version);
         created.push((key, version));
@@ -447,7 +447,10 @@ pub async fn store_invalid_keys_rejected(store: DynLeaseStore) {
     names.sort_unstable();
     let mut want: Vec<&str> = shapes.iter().map(String::as_str).collect();
     want.sort_unstable();
-    assert_eq!(names, want, "every key listed under its own name, none merged");
+    assert_eq!(
+        names, want,
+        "every key listed under its own name, none merged"
+    );
     for (key, version) in created {
         fail("delete", store.delete(&key, &version).await);
     }

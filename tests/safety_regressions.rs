@@ -61,6 +61,9 @@ struct Knobs {
     writes_fail: bool,
     /// Updates wait this long before anything else (before failing, or committing).
     update_delay_before: Duration,
+    /// The server is paused until then: every operation waits for it, and a write runs then
+    /// even if its caller gave up meanwhile (the request was already sent).
+    paused_until: Option<Instant>,
 }
 
 /// A memory store with knobs for faults after commit, keeping times to the microsecond.
@@ -131,6 +134,10 @@ impl LeaseStore for Wrapped {
         }
     }
     async fn get(&self, key: &LeaseKey) -> Result<Option<Versioned>> {
+        let paused = self.knobs().paused_until;
+        if let Some(until) = paused {
+            tokio::time::sleep_until(until).await;
+        }
         self.inner.get(key).await
     }
     async fn create(&self, key: &LeaseKey, record: &LeaseRecord) -> Result<Version> {
@@ -155,6 +162,21 @@ impl LeaseStore for Wrapped {
         let before = self.knobs().update_delay_before;
         if !before.is_zero() {
             sleep(before).await;
+        }
+        let paused = self.knobs().paused_until;
+        if let Some(until) = paused {
+            let (inner, key, record, expected) = (
+                self.inner.clone(),
+                key.clone(),
+                Self::truncate(record),
+                expected.clone(),
+            );
+            return tokio::spawn(async move {
+                tokio::time::sleep_until(until).await;
+                inner.update(&key, &record, &expected).await
+            })
+            .await
+            .expect("the queued write ran");
         }
         if self.knobs().writes_fail {
             return Err(unavailable());
@@ -657,4 +679,29 @@ async fn s12_a_failed_elector_task_is_reported_and_its_term_revoked() {
         a.shutdown().await,
         Err(Error::ElectorFailed { .. })
     ));
+}
+
+/// A store pause longer than the renew deadline: the leader steps down at its deadline while its
+/// renewal waits in the paused server; the renewal lands afterwards, so the record is still this
+/// elector's own. It takes the record back at once, as a new term with the next token, instead
+/// of waiting out a whole lease like everyone else.
+#[tokio::test(start_paused = true)]
+async fn s13_a_renewal_landing_after_a_store_pause_is_taken_back_at_once() {
+    let mem = MemoryStore::new();
+    released(&mem).await;
+    let store = Wrapped::new(mem.clone());
+    let a = Elector::spawn(Arc::new(store.clone()), config("a")).expect("valid");
+    let mut ra = a.subscribe();
+    let first = leading(&mut ra).await;
+    // The server pauses right after the acquisition, for longer than the renew deadline.
+    store.knobs().paused_until = Some(Instant::now() + RENEW + RETRY);
+    let down = not_leading(&mut ra).await;
+    let second = leading(&mut ra).await;
+    assert!(second.fencing_token() > first.fencing_token(), "a new term");
+    let back = second.since() - down;
+    assert!(
+        back < LEASE - RENEW,
+        "led again {back:?} after stepping down: at once when the renewal landed, not after a lease"
+    );
+    a.shutdown().await.expect("clean shutdown");
 }
