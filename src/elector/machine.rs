@@ -339,7 +339,7 @@ pub struct Machine {
     known_max: Option<u64>,
     mine: Option<Mine>,
     /// An acquire whose outcome is unknown (it failed or timed out): recognised if a read shows it.
-    pending_acquire: Option<(LeaseRecord, Instant)>,
+    pending_acquire: Option<(LeaseRecord, Instant, bool)>,
     /// States (versions; `None` for absent) first observed while an acquire was in flight.
     seen_during_acquire: Vec<Option<Version>>,
     inflight: Option<InFlight>,
@@ -1309,16 +1309,34 @@ impl Machine {
                 other => self.observe(now, other),
             },
             Mode::Following => {
-                if let (Seen::Record(v), Some((rec, sent))) = (&seen, &self.pending_acquire) {
+                if let (Seen::Record(v), Some((rec, sent, fresh)), None) =
+                    (&seen, &self.pending_acquire, &self.inflight)
+                {
                     let mine = Mine {
                         token: rec.transitions,
                         acquire_time: rec.acquire_time,
                     };
                     if mine.owns(&self.cfg.identity, &v.record) {
-                        let (rec, sent) = (rec.clone(), *sent);
+                        let (rec, sent, fresh) = (rec.clone(), *sent, *fresh);
                         info!("an acquire that reported an error did land");
                         self.pending_acquire = None;
-                        self.begin_term(now, sent, rec, v.version.clone());
+                        if fresh {
+                            // A fresh record's token is checked against a second seed first.
+                            let deadline =
+                                later(sent, self.cfg.renew_deadline).unwrap_or(now.instant);
+                            self.send(
+                                now,
+                                Op::FencingSeed,
+                                Purpose::Verify {
+                                    record: rec,
+                                    version: v.version.clone(),
+                                    sent,
+                                },
+                                deadline,
+                            );
+                        } else {
+                            self.begin_term(now, sent, rec, v.version.clone());
+                        }
                         return;
                     }
                 }
@@ -1484,7 +1502,7 @@ impl Machine {
                 }
                 // The write may have landed (a timeout, or a client retry that found our own
                 // write): a read tells, by holder, fencing token and acquire time.
-                self.pending_acquire = Some((record, sent));
+                self.pending_acquire = Some((record, sent, fresh));
                 self.need_read = true;
                 if !matches!(
                     e,
