@@ -21,9 +21,10 @@
 //!    a few store round trips), polling followers included.
 //!
 //! A record deleted or lost while its term is valid voids guarantee 1 for that term (an elector
-//! that missed the deletion cannot know the term existed). Such a void term can only carry a
-//! *lower* token than the terms after it, so fencing rejects its writes; every other term's
-//! token exceeds all earlier ones.
+//! that missed the deletion cannot know the term existed). Every term's token still exceeds the
+//! tokens of all earlier terms that were not voided this way; a void term's token can be
+//! repeated once, by a term on a record whose create was delayed across the loss (its fencing
+//! seed was read before the lost record's writes).
 //!
 //! # Assumptions
 //!
