@@ -67,7 +67,7 @@
 //!   adopted. A record this elector instance wrote in an earlier term (its renewal landed after it
 //!   stepped down, say after a store pause) is taken back at once, as a new term.
 //! - **Ordered release.** [`Elector::shutdown`] and [`Elector::yield_for`] end the term (status
-//!   changes, tasks are cancelled with [`StopCause::SteppedDown`]), **keep renewing** while every
+//!   changes, tasks are cancelled with [`StopCause::SteppedDown`](crate::StopCause::SteppedDown)), **keep renewing** while every
 //!   [`Leadership`] guard is dropped (up to [`ElectorConfig::drain_timeout`]), then revoke the term
 //!   and write the release (empty holder, lease duration 1 s, as client-go). An in-flight renewal
 //!   is awaited, not abandoned, so the release goes to the right version. If tasks outlive the
