@@ -21,10 +21,10 @@
 //!    a few store round trips), polling followers included.
 //!
 //! A record deleted or lost while its term is valid voids guarantee 1 for that term (an elector
-//! that missed the deletion cannot know the term existed). Every term's token still exceeds the
-//! tokens of all earlier terms that were not voided this way; a void term's token can be
-//! repeated once, by a term on a record whose create was delayed across the loss (its fencing
-//! seed was read before the lost record's writes).
+//! that missed the deletion cannot know the term existed), and guarantee 2 for it: among the
+//! other terms tokens still strictly increase, but a void term can start late with a lower token
+//! (which fencing rejects), and a later term can repeat a void term's token when a create was
+//! delayed across the loss (its fencing seed was read before the lost record's writes).
 //!
 //! # Assumptions
 //!

@@ -17,9 +17,9 @@
 //! Invariants, checked on the simulator's true clock:
 //! 1. validity intervals of terms never overlap (a term is valid from `Leading` until the
 //!    earlier of `Revoked`, its `valid_until`, or a crash);
-//! 2. every term's fencing token exceeds the tokens of all earlier terms, except those voided by
-//!    data loss (their record was deleted or overwritten by a foreign writer while they ran; they
-//!    are also exempt from 1);
+//! 2. among terms not voided by data loss (a term is void when its record was deleted or
+//!    overwritten by a foreign writer while it ran or before it began), fencing tokens strictly
+//!    increase in term order; void terms are exempt from 1 and 2;
 //! 3. after the faults stop, some elector leads within
 //!    `lease_duration + renew_deadline + 2.2 × retry_period` (scaled by the drift bound, plus the
 //!    healthy store's latency).
@@ -616,6 +616,7 @@ impl Sim {
         let mut max_before: Option<&Interval> = None;
         for iv in &ivs {
             if let Some(m) = max_before
+                && !iv.voided
                 && iv.token <= m.token
             {
                 self.fail(format!(
@@ -1035,6 +1036,7 @@ impl Sim {
                     .map(|iv| iv.token)
                     .max()
                     && fencing_token <= max
+                    && !voided
                 {
                     self.fail(format!(
                         "fencing token did not increase: {identity} starts a term with token {fencing_token}, an earlier term had {max}"
