@@ -288,6 +288,7 @@ struct Node {
 #[derive(Clone, Debug)]
 pub struct Interval {
     pub node: usize,
+    pub incarnation: u64,
     pub identity: String,
     pub token: u64,
     pub start: T,
@@ -370,8 +371,8 @@ pub struct Sim {
     violation: Option<String>,
     events: u64,
     healthy: bool,
-    /// (holder, token) of records lost to data loss.
-    lost: Vec<(String, u64)>,
+    /// (node, incarnation, token) of terms whose record was lost to data loss.
+    lost: Vec<(usize, u64, u64)>,
 }
 
 const TRACE_LINES: usize = 400;
@@ -484,7 +485,11 @@ impl Sim {
 
     fn log(&mut self, line: impl FnOnce() -> String) {
         if let Some(t) = &mut self.trace {
-            if t.len() >= TRACE_LINES {
+            let cap = std::env::var("LEASEHOLD_SIM_TRACE")
+                .ok()
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(TRACE_LINES);
+            if t.len() >= cap {
                 t.pop_front();
             }
             let at = self.now;
@@ -629,9 +634,8 @@ impl Sim {
                 max_before = Some(iv);
             }
         }
-        let voided = ivs.iter().filter(|iv| iv.voided).count();
+        let all = ivs.clone();
         ivs.retain(|iv| !iv.voided);
-        let _ = voided;
         let mut prev: Option<Interval> = None;
         for iv in &ivs {
             if let Some(p) = &prev {
@@ -658,7 +662,7 @@ impl Sim {
                 prev = Some(iv.clone());
             }
         }
-        let leading = ivs
+        let leading = all
             .iter()
             .any(|iv| iv.start <= check_at && check_at < iv.effective_end(run_end));
         if !leading {
@@ -1011,10 +1015,8 @@ impl Sim {
                 self.log(|| {
                     format!("{identity} LEADS token {fencing_token} valid until {valid_until:?}")
                 });
-                let voided = self
-                    .lost
-                    .iter()
-                    .any(|(h, t)| *h == identity && *t == fencing_token);
+                let inc = self.nodes[n].incarnation;
+                let voided = self.lost.contains(&(n, inc, fencing_token));
                 let now = self.now;
                 let clash = self
                     .intervals
@@ -1044,6 +1046,7 @@ impl Sim {
                 }
                 self.intervals.push(Interval {
                     node: n,
+                    incarnation: inc,
                     identity: identity.clone(),
                     token: fencing_token,
                     start: self.now,
@@ -1055,6 +1058,7 @@ impl Sim {
             }
             Output::Renewed { valid_until } => {
                 let v = self.true_of(n, valid_until);
+                self.log(|| format!("{identity} renewed: valid until {v:?}"));
                 if let Some(i) = self.nodes[n].interval {
                     if self.now >= self.intervals[i].valid_until {
                         self.fail(format!(
@@ -1148,13 +1152,24 @@ impl Sim {
         let Some((Stored::Record(r), _)) = &self.store.cur else {
             return;
         };
-        let lost = (r.holder_identity.clone(), r.transitions);
+        let (holder, token) = (r.holder_identity.clone(), r.transitions);
+        // The incarnations that may hold (or be about to start) a term on the lost record: the
+        // running nodes with the holder's identity (a restarted node may reuse an identity).
+        let running: Vec<(usize, u64)> = self
+            .nodes
+            .iter()
+            .enumerate()
+            .filter(|(_, nd)| nd.machine.is_some() && nd.identity == holder)
+            .map(|(i, nd)| (i, nd.incarnation))
+            .collect();
         for iv in &mut self.intervals {
-            if (iv.identity.clone(), iv.token) == lost {
+            if iv.token == token && running.contains(&(iv.node, iv.incarnation)) {
                 iv.voided = true;
             }
         }
-        self.lost.push(lost);
+        for (node, inc) in running {
+            self.lost.push((node, inc, token));
+        }
     }
 
     fn store_write(&mut self, v: Option<Stored>) {
@@ -1246,7 +1261,11 @@ pub fn report(seed: u64, profile: Option<Profile>) -> String {
         "reproduce with: LEASEHOLD_SIM_SEED={seed} cargo test --test simulator -- --nocapture"
     );
     let _ = writeln!(s, "last events before it:");
-    for line in out.trace.iter().rev().take(150).rev() {
+    let show = std::env::var("LEASEHOLD_SIM_TRACE")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(150);
+    for line in out.trace.iter().rev().take(show).rev() {
         let _ = writeln!(s, "  {line}");
     }
     s
