@@ -11,7 +11,8 @@ use leasehold::conformance::{create_released, unique_key};
 use leasehold::k0s::conformance as k0s;
 use leasehold::k0s::{AlwaysLeading, CounterConfig, LeaderElector, LeaderLease, NeverLeading};
 use leasehold::{
-    DynLeaseStore, KeyPrefix, LeaderStatus, MemoryStore, StatusSource, StopCause, run_leader_tasks,
+    DynLeaseStore, KeyPrefix, LeaderStatus, LeaseStore, MemoryStore, StatusSource, StopCause,
+    run_leader_tasks,
 };
 use tokio::sync::mpsc;
 use tokio::time::Instant;
@@ -389,5 +390,65 @@ async fn k0s_slow_callback_is_isolated_and_reported() {
     release.send(()).expect("release the callback");
     assert_eq!(events.recv().await, Some("released"));
     drop(term);
+    pool.stop().await;
+}
+
+/// A real loss: another holder overwrites the record while the pool leads. The leader task sees
+/// `LeaseLost` (not `SteppedDown`) as the elector publishes it: at once, long before the term's
+/// validity (15 s) would have passed.
+#[tokio::test(start_paused = true)]
+async fn k0s_cause_on_a_real_loss_is_lease_lost() {
+    let store = store();
+    let key = unique_key("stolen");
+    create_released(&store, &key).await;
+    let pool = Arc::new(
+        LeaderLease::start(
+            store.clone(),
+            LeaderLease::default_config(key.clone(), "me"),
+        )
+        .expect("start the pool"),
+    );
+    let parent = CancellationToken::new();
+    let (seen_tx, mut seen) = mpsc::unbounded_channel();
+    let tasks = tokio::spawn(run_leader_tasks(
+        parent.clone(),
+        pool.clone(),
+        move |leader| {
+            let seen_tx = seen_tx.clone();
+            async move {
+                let _ = seen_tx.send(("started", leader.cause()));
+                leader.cancelled().await;
+                let _ = seen_tx.send(("ended", leader.cause()));
+            }
+        },
+    ));
+    assert_eq!(seen.recv().await, Some(("started", None)));
+    let t0 = Instant::now();
+    let current = store
+        .get(&key)
+        .await
+        .expect("get")
+        .expect("the pool's record");
+    let mut stolen = current.record.clone();
+    stolen.holder_identity = "thief".into();
+    stolen.transitions += 1;
+    store
+        .update(&key, &stolen, &current.version)
+        .await
+        .expect("overwrite the record");
+    assert_eq!(
+        seen.recv().await,
+        Some(("ended", Some(StopCause::LeaseLost)))
+    );
+    assert!(
+        t0.elapsed() < leasehold::k0s::RENEW_DEADLINE,
+        "the loss was not published by the elector but found by the task's deadline"
+    );
+    k0s::wait_status(&*pool, "following the thief", |s| {
+        s.leader() == Some("thief")
+    })
+    .await;
+    parent.cancel();
+    tasks.await.expect("tasks");
     pool.stop().await;
 }
