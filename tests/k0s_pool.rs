@@ -38,7 +38,7 @@ async fn k0s_pool_callbacks_in_order() {
 }
 
 #[tokio::test(start_paused = true)]
-async fn k0s_counter_counts_0_1_2_1() {
+async fn k0s_counter_counts_1_2_1() {
     k0s::counter_counts_controllers(store()).await;
 }
 
