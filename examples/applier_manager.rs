@@ -41,6 +41,9 @@ pub struct ApplierManager {
     pub output: PathBuf,
     /// How often directories are re-read.
     pub poll: Duration,
+    /// Stacks this manager leaves alone (k0s's `IgnoredStacks`: stacks applied by other
+    /// components): never applied, and never deleted.
+    pub ignored_stacks: Vec<String>,
 }
 
 impl ApplierManager {
@@ -56,12 +59,15 @@ impl ApplierManager {
         let mut watchers: HashMap<String, (CancellationToken, JoinHandle<()>)> = HashMap::new();
         let mut first = true;
         loop {
-            let stacks = list_stacks(&self.manifests);
+            let stacks: Vec<String> = list_stacks(&self.manifests)
+                .into_iter()
+                .filter(|n| !self.ignored_stacks.contains(n))
+                .collect();
             if first {
                 // Stacks removed while nobody (or another manager) led: delete them now.
                 first = false;
                 for applied in list_applied(&self.output) {
-                    if !stacks.contains(&applied) {
+                    if !stacks.contains(&applied) && !self.ignored_stacks.contains(&applied) {
                         self.delete(&applied, token);
                     }
                 }
@@ -248,6 +254,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         manifests: manifests.clone(),
         output: output.clone(),
         poll: Duration::from_millis(100),
+        ignored_stacks: Vec::new(),
     };
     let shutdown = CancellationToken::new();
     let (e1, t1) = start_manager(

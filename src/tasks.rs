@@ -122,7 +122,7 @@ async fn validity_passed(l: &Leadership) {
 ///   the loss (a process resumed after a pause cancels its task first). It is never restarted
 ///   for an unrelated status change. Cancellation is checked before the task is polled again.
 /// - If the task returns while still leading, it is **not** run again until leadership is lost
-///   and re-acquired.
+///   and re-acquired. A term whose validity has passed is not started (or restarted) at all.
 /// - On a loss, the next term's task starts only after the previous one has returned, so tasks
 ///   of two terms never overlap inside one process.
 ///
@@ -154,14 +154,17 @@ where
     loop {
         let (status, mut changed) = source.current_status();
         let leadership = match status {
+            // A term already handled, or one whose validity passed before its end was
+            // published, is never (re)started: the elector is about to publish its end.
+            // (Restarting it would spin, and on a current-thread runtime starve the elector so
+            // that it never does.)
             LeaderStatus::Leading(l)
                 if last != Some((l.fencing_token(), l.since())) && l.is_valid() =>
             {
                 l
             }
-            // Not leading, a term already handled, or one whose validity passed before its
-            // end was published: wait for the next status.
-            _ => {
+            other => {
+                drop(other);
                 tokio::select! {
                     () = parent.cancelled() => return,
                     () = &mut changed => continue,

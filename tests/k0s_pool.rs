@@ -1,13 +1,21 @@
-//! k0s's scenarios (ported) on the memory store with paused time, plus the always-leading pool.
+//! k0s's scenarios (ported) on the memory store with paused time; the always- and
+//! never-leading stand-ins; yield, cause and callback-isolation details of the k0s layer.
 #![allow(deprecated)] // exercises the deprecated callback API on purpose
 
-use std::sync::Arc;
+use std::io::Write;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
+use futures::FutureExt;
+use leasehold::conformance::{create_released, unique_key};
 use leasehold::k0s::conformance as k0s;
-use leasehold::k0s::{AlwaysLeading, LeaderElector};
+use leasehold::k0s::{AlwaysLeading, CounterConfig, LeaderElector, LeaderLease, NeverLeading};
 use leasehold::{
-    DynLeaseStore, LeaderStatus, MemoryStore, StatusSource, StopCause, run_leader_tasks,
+    DynLeaseStore, KeyPrefix, LeaderStatus, LeaseStore, MemoryStore, StatusSource, StopCause,
+    run_leader_tasks,
 };
+use tokio::sync::mpsc;
+use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 fn store() -> DynLeaseStore {
@@ -30,7 +38,7 @@ async fn k0s_pool_callbacks_in_order() {
 }
 
 #[tokio::test(start_paused = true)]
-async fn k0s_counter_counts_0_1_2_1() {
+async fn k0s_counter_counts_1_2_1() {
     k0s::counter_counts_controllers(store()).await;
 }
 
@@ -45,6 +53,18 @@ async fn k0s_scenarios_on_a_real_clock() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn k0s_takeover_on_a_multi_thread_runtime() {
     k0s::pool_lead_takeover(store()).await;
+}
+
+/// A pool on a fresh memory store whose key starts out released (so it leads at once), with
+/// k0s's timings.
+async fn leading_pool() -> (Arc<LeaderLease>, DynLeaseStore) {
+    let store = store();
+    let key = unique_key("pool");
+    create_released(&store, &key).await;
+    let pool = LeaderLease::start(store.clone(), LeaderLease::default_config(key, "me"))
+        .expect("start the pool");
+    k0s::wait_status(&pool, "leading", LeaderStatus::is_leading).await;
+    (Arc::new(pool), store)
 }
 
 #[tokio::test(start_paused = true)]
@@ -63,7 +83,8 @@ async fn k0s_always_leading() {
 
     // run_leader_tasks on the always-leading pool: the task runs at once and is stopped by stop().
     let pool = Arc::new(pool);
-    let (tx, rx) = tokio::sync::oneshot::channel();
+    let (tx, mut rx) = tokio::sync::oneshot::channel();
+    let (started_tx, mut started) = mpsc::unbounded_channel();
     let tasks = tokio::spawn({
         let pool = pool.clone();
         let shutdown = shutdown.clone();
@@ -71,6 +92,7 @@ async fn k0s_always_leading() {
             let mut tx = Some(tx);
             run_leader_tasks(shutdown, &*pool, |leader| {
                 let tx = tx.take();
+                let _ = started_tx.send(leader.fencing_token());
                 async move {
                     leader.cancelled().await;
                     if let Some(tx) = tx {
@@ -81,11 +103,39 @@ async fn k0s_always_leading() {
             .await;
         }
     });
-    tokio::task::yield_now().await;
-    pool.yield_lease(std::time::Duration::from_secs(1))
+    assert_eq!(started.recv().await, Some(0), "the leader task started");
+    let (before, changed) = pool.current_status();
+    pool.yield_lease(Duration::from_secs(1))
         .await
         .expect("yield");
-    assert!(pool.is_leader(), "always leading: yield is a no-op");
+    for _ in 0..10 {
+        tokio::task::yield_now().await;
+    }
+    // A yield does nothing at all: the same term goes on, nobody was notified of a change, the
+    // leader task was not cancelled or restarted, and no callback ran.
+    let (after, _) = pool.current_status();
+    let same_term = match (before.leadership(), after.leadership()) {
+        (Some(b), Some(a)) => a.same_term(b),
+        _ => false,
+    };
+    assert!(
+        same_term,
+        "the yield ended the term: {before:?} -> {after:?}"
+    );
+    assert!(
+        changed.now_or_never().is_none(),
+        "the yield published a status change"
+    );
+    assert!(
+        rx.try_recv().is_err(),
+        "the yield cancelled the leader task"
+    );
+    assert!(
+        started.try_recv().is_err(),
+        "the yield restarted the leader task"
+    );
+    events.expect_none();
+
     pool.stop().await;
     events.expect("always-lost").await;
     events.expect_none();
@@ -96,4 +146,309 @@ async fn k0s_always_leading() {
     );
     shutdown.cancel();
     tasks.await.expect("tasks");
+}
+
+/// k0s's `Dummy{Leader: false}`: never leads, never runs a leader task or a callback, and its
+/// status never changes.
+#[tokio::test(start_paused = true)]
+async fn k0s_never_leading() {
+    let pool = Arc::new(NeverLeading::new());
+    assert!(!pool.is_leader());
+    let (status, changed) = pool.current_status();
+    assert_eq!(status, LeaderStatus::NotLeading { leader: None });
+    let mut events = k0s::Events::default();
+    events.watch(&*pool, "never");
+    let shutdown = CancellationToken::new();
+    let (ran_tx, mut ran) = mpsc::unbounded_channel();
+    let tasks = tokio::spawn(run_leader_tasks(
+        shutdown.clone(),
+        pool.clone(),
+        move |_| {
+            let _ = ran_tx.send(());
+            async {}
+        },
+    ));
+    pool.yield_lease(Duration::from_secs(1))
+        .await
+        .expect("yield");
+    tokio::time::sleep(Duration::from_secs(3_600)).await;
+    assert!(ran.try_recv().is_err(), "a leader task ran");
+    events.expect_none();
+    assert!(!pool.is_leader());
+    assert!(changed.now_or_never().is_none(), "the status changed");
+    assert!(!pool.subscribe().borrow().is_leading());
+    pool.stop().await;
+    shutdown.cancel();
+    tasks.await.expect("tasks");
+    events.expect_none();
+}
+
+/// k0s's pool timings (60 s / 15 s / 5 s) are the k0s layer's defaults, for the leader lease and
+/// the controller counter alike; k0s keeps its Leases in `kube-node-lease`.
+#[test]
+fn k0s_defaults_are_k0s_timings() {
+    let key = leasehold::LeaseKey::new("k0s-endpoint-reconciler").expect("key");
+    let c = LeaderLease::default_config(key, "id");
+    let timings = (c.lease_duration, c.renew_deadline, c.retry_period);
+    let k0s = (
+        Duration::from_secs(60),
+        Duration::from_secs(15),
+        Duration::from_secs(5),
+    );
+    assert_eq!(timings, k0s);
+    c.validate().expect("the defaults are valid");
+    let counter = CounterConfig::new(KeyPrefix::new("k0s-ctrl-").expect("prefix"), "n")
+        .expect("counter config");
+    assert_eq!(
+        (
+            counter.lease_duration,
+            counter.renew_deadline,
+            counter.retry_period
+        ),
+        k0s
+    );
+    assert_eq!(leasehold::k0s::NODE_LEASE_NAMESPACE, "kube-node-lease");
+}
+
+/// Like Go's `context.Cause`, the first cause wins: a task cancelled by its caller sees
+/// `Cancelled`, and still does after the elector then steps down during the task's cleanup.
+#[tokio::test(start_paused = true)]
+async fn k0s_cause_first_wins_through_a_step_down() {
+    let (pool, _store) = leading_pool().await;
+    let parent = CancellationToken::new();
+    let (seen_tx, mut seen) = mpsc::unbounded_channel();
+    let tasks = tokio::spawn(run_leader_tasks(
+        parent.clone(),
+        pool.clone(),
+        move |leader| {
+            let seen_tx = seen_tx.clone();
+            async move {
+                let _ = seen_tx.send(("started", leader.cause()));
+                leader.cancelled().await;
+                let _ = seen_tx.send(("cancelled", leader.cause()));
+                // Cleanup runs on; meanwhile the elector steps down.
+                while leader.leadership().end_cause().is_none() {
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                }
+                let _ = seen_tx.send(("after the step-down", leader.cause()));
+            }
+        },
+    ));
+    assert_eq!(seen.recv().await, Some(("started", None)));
+    parent.cancel();
+    assert_eq!(
+        seen.recv().await,
+        Some(("cancelled", Some(StopCause::Cancelled)))
+    );
+    let stop = tokio::spawn({
+        let pool = pool.clone();
+        async move { pool.stop().await }
+    });
+    assert_eq!(
+        seen.recv().await,
+        Some(("after the step-down", Some(StopCause::Cancelled))),
+        "the cause changed after it was first seen"
+    );
+    stop.await.expect("stop");
+    tasks.await.expect("tasks");
+}
+
+/// A later yield replaces the duration of an earlier one, counted from when it is applied: a
+/// shorter second yield shortens, a longer one lengthens.
+#[tokio::test(start_paused = true)]
+async fn k0s_yield_replaces_the_earlier_duration() {
+    let (pool, _store) = leading_pool().await;
+    let long = Duration::from_secs(600);
+    let short = Duration::from_secs(30);
+
+    // 10 min, then a minute later 30 s: leads again 30 s after the second yield.
+    pool.yield_lease(long).await.expect("yield");
+    assert!(!pool.current_status().0.is_leading());
+    tokio::time::sleep(Duration::from_secs(60)).await;
+    assert!(!pool.current_status().0.is_leading(), "yielding");
+    pool.yield_lease(short).await.expect("second yield");
+    let second = Instant::now();
+    let led = leads_within(&pool, long).await;
+    assert!(
+        led.is_some_and(|t| t >= second + short && t < second + short + Duration::from_secs(10)),
+        "a shorter second yield did not replace the first: led again at {:?} after it",
+        led.map(|t| t - second)
+    );
+
+    // 30 s, then 10 s later 10 min: does not lead again before 10 min after the second yield.
+    pool.yield_lease(short).await.expect("yield");
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    pool.yield_lease(long).await.expect("second yield");
+    let second = Instant::now();
+    let led = leads_within(&pool, long * 2).await;
+    assert!(
+        led.is_some_and(|t| t >= second + long && t < second + long + Duration::from_secs(10)),
+        "a longer second yield did not replace the first: led again at {:?} after it",
+        led.map(|t| t - second)
+    );
+    pool.stop().await;
+}
+
+/// When `source` leads again within `limit` (virtual time), or `None`.
+async fn leads_within(source: &impl StatusSource, limit: Duration) -> Option<Instant> {
+    let wait = async {
+        loop {
+            let (s, changed) = source.current_status();
+            if s.is_leading() {
+                return Instant::now();
+            }
+            changed.await;
+        }
+    };
+    tokio::time::timeout(limit, wait).await.ok()
+}
+
+#[derive(Clone, Default)]
+struct Captured(Arc<Mutex<Vec<u8>>>);
+
+impl Write for Captured {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .extend_from_slice(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+impl Captured {
+    fn text(&self) -> String {
+        String::from_utf8_lossy(&self.0.lock().unwrap_or_else(|e| e.into_inner())).into_owned()
+    }
+}
+
+/// A genuinely slow (blocking) callback runs on the blocking pool: on this single-threaded
+/// runtime the elector keeps renewing and the status stays available while it blocks, and
+/// after 10 s it is logged as slow.
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn k0s_slow_callback_is_isolated_and_reported() {
+    let logs = Captured::default();
+    let subscriber = tracing_subscriber::fmt()
+        .with_writer({
+            let logs = logs.clone();
+            move || logs.clone()
+        })
+        .with_max_level(tracing::Level::WARN)
+        .with_ansi(false)
+        .finish();
+    let _guard = tracing::subscriber::set_default(subscriber);
+
+    let (pool, _store) = leading_pool().await;
+    let (release, released) = std::sync::mpsc::channel::<()>();
+    let released = Mutex::new(released);
+    let (events_tx, mut events) = mpsc::unbounded_channel();
+    pool.add_acquired_lease_callback(Box::new(move || {
+        let _ = events_tx.send("entered");
+        // Blocks its thread until the test releases it (bounded, so that a callback run on
+        // the runtime's only thread ends the test instead of hanging it).
+        let outcome = released
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .recv_timeout(Duration::from_secs(20));
+        let _ = events_tx.send(if outcome.is_ok() {
+            "released"
+        } else {
+            "timed out: the callback blocked the runtime"
+        });
+    }));
+    assert_eq!(events.recv().await, Some("entered"));
+    // While the callback blocks, 20 s pass (k0s timings: renew every 5 s, renew deadline 15 s):
+    // the elector must keep renewing on this very thread.
+    let (term, _) = pool.current_status();
+    let term = term.leadership().cloned().expect("leading");
+    for _ in 0..20 {
+        tokio::time::advance(Duration::from_secs(1)).await;
+        for _ in 0..20 {
+            tokio::task::yield_now().await;
+        }
+    }
+    assert!(
+        events.try_recv().is_err(),
+        "the callback returned early (it blocked the runtime until it timed out)"
+    );
+    let (now, _) = pool.current_status();
+    assert!(
+        now.leadership().is_some_and(|l| l.same_term(&term)),
+        "the elector did not keep its term while a callback blocked: {now:?}"
+    );
+    term.ensure_leading()
+        .expect("the term was renewed while the callback blocked");
+    drop(now);
+    let text = logs.text();
+    assert!(
+        text.contains("a lease callback is still running"),
+        "no slow-callback warning; captured logs:\n{text}"
+    );
+    release.send(()).expect("release the callback");
+    assert_eq!(events.recv().await, Some("released"));
+    drop(term);
+    pool.stop().await;
+}
+
+/// A real loss: another holder overwrites the record while the pool leads. The leader task sees
+/// `LeaseLost` (not `SteppedDown`) as the elector publishes it: at once, long before the term's
+/// validity (15 s) would have passed.
+#[tokio::test(start_paused = true)]
+async fn k0s_cause_on_a_real_loss_is_lease_lost() {
+    let store = store();
+    let key = unique_key("stolen");
+    create_released(&store, &key).await;
+    let pool = Arc::new(
+        LeaderLease::start(
+            store.clone(),
+            LeaderLease::default_config(key.clone(), "me"),
+        )
+        .expect("start the pool"),
+    );
+    let parent = CancellationToken::new();
+    let (seen_tx, mut seen) = mpsc::unbounded_channel();
+    let tasks = tokio::spawn(run_leader_tasks(
+        parent.clone(),
+        pool.clone(),
+        move |leader| {
+            let seen_tx = seen_tx.clone();
+            async move {
+                let _ = seen_tx.send(("started", leader.cause()));
+                leader.cancelled().await;
+                let _ = seen_tx.send(("ended", leader.cause()));
+            }
+        },
+    ));
+    assert_eq!(seen.recv().await, Some(("started", None)));
+    let t0 = Instant::now();
+    let current = store
+        .get(&key)
+        .await
+        .expect("get")
+        .expect("the pool's record");
+    let mut stolen = current.record.clone();
+    stolen.holder_identity = "thief".into();
+    stolen.transitions += 1;
+    store
+        .update(&key, &stolen, &current.version)
+        .await
+        .expect("overwrite the record");
+    assert_eq!(
+        seen.recv().await,
+        Some(("ended", Some(StopCause::LeaseLost)))
+    );
+    assert!(
+        t0.elapsed() < leasehold::k0s::RENEW_DEADLINE,
+        "the loss was not published by the elector but found by the task's deadline"
+    );
+    k0s::wait_status(&*pool, "following the thief", |s| {
+        s.leader() == Some("thief")
+    })
+    .await;
+    parent.cancel();
+    tasks.await.expect("tasks");
+    pool.stop().await;
 }

@@ -16,12 +16,20 @@ use tokio::time::{Instant, sleep_until, timeout};
 use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, debug, info, warn};
 
+use crate::elector::machine::MAX_RECORD_LEASE_DURATION;
 use crate::elector::{Elector, ElectorConfig, default_identity};
 use crate::error::{Error, Result};
 use crate::status::LeaderStatus;
 use crate::store::{
     DynLeaseStore, KeyPrefix, LeaseKey, LeaseRecord, Version, WatchEvent, WatchStream,
 };
+
+/// The count a [`ControllerCounter`] publishes before it has listed the leases: 1, this
+/// controller, as k0s assumes during start-up.
+pub const INITIAL_COUNT: usize = 1;
+
+/// The default [`CounterConfig::skew_tolerance`]: 5 s.
+pub const DEFAULT_SKEW_TOLERANCE: Duration = Duration::from_secs(5);
 
 /// Configuration of a [`ControllerCounter`].
 ///
@@ -48,6 +56,12 @@ pub struct CounterConfig {
     /// How often the prefix is re-listed while the doorbell is watched (a safety net for
     /// members that do not ring it, such as foreign writers). Default: the lease duration.
     pub relist_interval: Duration,
+    /// How far another controller's wall clock may lag behind this one's, for leases found at
+    /// start-up (default [`DEFAULT_SKEW_TOLERANCE`], 5 s). A lease found by the counter's first
+    /// successful list is counted only while `renew_time + lease_duration + skew_tolerance` is
+    /// ahead of the local wall clock, so a lease that was already dead is never counted; after
+    /// that first list, expiry is judged by local observation only.
+    pub skew_tolerance: Duration,
 }
 
 // === impl CounterConfig ===
@@ -68,11 +82,12 @@ impl CounterConfig {
             prefix,
             key,
             identity: default_identity(),
-            lease_duration: Duration::from_secs(60),
-            renew_deadline: Duration::from_secs(15),
-            retry_period: Duration::from_secs(5),
+            lease_duration: super::LEASE_DURATION,
+            renew_deadline: super::RENEW_DEADLINE,
+            retry_period: super::RETRY_PERIOD,
             doorbell,
-            relist_interval: Duration::from_secs(60),
+            relist_interval: super::LEASE_DURATION,
+            skew_tolerance: DEFAULT_SKEW_TOLERANCE,
         })
     }
 
@@ -97,6 +112,12 @@ impl CounterConfig {
         self
     }
 
+    /// Sets the [skew tolerance](CounterConfig::skew_tolerance) for leases found at start-up.
+    pub fn with_skew_tolerance(mut self, tolerance: Duration) -> Self {
+        self.skew_tolerance = tolerance;
+        self
+    }
+
     /// Sets (or, with `None`, disables) the doorbell key.
     pub fn with_doorbell(mut self, doorbell: Option<LeaseKey>) -> Self {
         self.doorbell = doorbell;
@@ -116,6 +137,12 @@ impl CounterConfig {
             return Err(Error::InvalidConfig(format!(
                 "the doorbell key {d} must not be under the counted prefix {}",
                 self.prefix
+            )));
+        }
+        if self.skew_tolerance > MAX_RECORD_LEASE_DURATION {
+            return Err(Error::InvalidConfig(format!(
+                "skew_tolerance {:?} is absurd; keep it at most {MAX_RECORD_LEASE_DURATION:?}",
+                self.skew_tolerance
             )));
         }
         if self.relist_interval.is_zero() {
@@ -152,12 +179,26 @@ impl fmt::Debug for CountChanged {
 ///
 /// Each controller holds its own lease `<prefix><node-name>` (through an [`Elector`] on that
 /// key), and the counter reports how many leases under the prefix have a holder and are not
-/// expired. Unlike k0s:
-/// - **Expiry is judged by local observation** (skew-safe): a lease is alive until the
-///   `lease_duration` written in it has passed on this process's monotonic clock since this
-///   counter *observed* the record last change. The record's timestamps are never compared to
-///   the local wall clock. (A lease seen for the first time counts as just changed, so a dead
-///   controller found at start counts for up to one lease duration.)
+/// expired.
+///
+/// Like k0s:
+/// - **The count starts at [`INITIAL_COUNT`] (1, this controller)** and only ever changes to a
+///   count that was observed. The first list waits (up to the renew deadline) until this
+///   controller holds its own lease, so it includes it.
+/// - **During a store outage the last count is kept.** A lease that is not seen to change is
+///   dropped only once a list that *started after* its expiry succeeded and still shows it
+///   unchanged; while lists fail, nothing expires. (k0s keeps the last listed count when a list
+///   fails.)
+/// - **A lease that was already dead at start-up is not counted.** For leases found by the first
+///   successful list, the record's own renew time is used, with a tolerance for clock skew
+///   ([`CounterConfig::skew_tolerance`], 5 s by default).
+///
+/// Unlike k0s:
+/// - **After start-up, expiry is judged by local observation** (skew-safe): a lease is alive
+///   until the `lease_duration` written in it has passed on this process's monotonic clock since
+///   this counter *observed* the record last change (and a list confirmed it unchanged after
+///   that). The record's timestamps are compared to the local wall clock only for the leases
+///   found at start-up.
 /// - **Watch-driven**: every known key is watched, so the count changes within one watch
 ///   delivery of a change of a known member (a release, a take-over, a deletion). New members
 ///   are discovered through the *doorbell* key (see [`CounterConfig::doorbell`]): each member
@@ -207,7 +248,7 @@ impl ControllerCounter {
             // Each controller campaigns only on its own key: create it at once.
             .with_trust_absence(true);
         let elector = Elector::spawn(store.clone(), elector_config)?;
-        let count = Arc::new(watch::Sender::new(0));
+        let count = Arc::new(watch::Sender::new(INITIAL_COUNT));
         let cancel = CancellationToken::new();
         let (tx, rx) = mpsc::unbounded_channel();
         let span =
@@ -223,6 +264,7 @@ impl ControllerCounter {
             doorbell: None,
             count: count.clone(),
             last_relist: None,
+            confirmed: None,
         };
         let task = tokio::spawn(counting.run(cancel.clone()).instrument(span));
         Ok(ControllerCounter {
@@ -314,21 +356,38 @@ impl Drop for ControllerCounter {
 // The counting task.
 
 struct Member {
-    /// `None` when the key holds data that is not a record.
-    record: Option<LeaseRecord>,
     version: Option<Version>,
-    /// When this counter observed the current state (monotonic).
-    observed_at: Instant,
+    /// When the lease ends unless its record changes (monotonic); `None` when it is not counted
+    /// (released, not a record, or already dead when found at start-up).
+    expires_at: Option<Instant>,
     /// Generation of the current watcher; events from older watchers are ignored.
     generation: u64,
     watcher: Option<AbortOnDrop>,
 }
 
-impl Member {
-    fn expires_at(&self) -> Option<Instant> {
-        let r = self.record.as_ref()?;
-        (!r.is_vacant()).then(|| self.observed_at + r.lease_duration)
+/// When a lease observed (changed) at `now` ends unless it changes again; `None` if it is not
+/// to be counted at all. `startup` carries the local wall clock and the skew tolerance for a
+/// record found by the first list: its own renew time counts then.
+fn expiry(
+    now: Instant,
+    record: &LeaseRecord,
+    startup: Option<(SystemTime, Duration)>,
+) -> Option<Instant> {
+    if record.is_vacant() {
+        return None;
     }
+    let duration = record.lease_duration.min(MAX_RECORD_LEASE_DURATION);
+    let remaining = match (startup, record.renew_time) {
+        (Some((wall_now, tolerance)), Some(renewed)) => {
+            let age = wall_now.duration_since(renewed).unwrap_or(Duration::ZERO);
+            duration.checked_sub(age.saturating_sub(tolerance))?
+        }
+        _ => duration,
+    };
+    if remaining.is_zero() {
+        return None;
+    }
+    now.checked_add(remaining)
 }
 
 struct AbortOnDrop(JoinHandle<()>);
@@ -355,6 +414,9 @@ struct Counting {
     doorbell: Option<WatchStream>,
     count: Arc<watch::Sender<usize>>,
     last_relist: Option<Instant>,
+    /// When the last successful list started: leases whose expiry is not after it were seen
+    /// unchanged after they expired.
+    confirmed: Option<Instant>,
 }
 
 impl Counting {
@@ -376,25 +438,44 @@ impl Counting {
 
     async fn run(mut self, cancel: CancellationToken) {
         info!("counting controllers");
+        // List first once this controller holds its own lease (bounded), so that the first
+        // count includes it and the count does not dip below the initial 1 for no reason.
+        let mut own = self.own_status.clone();
+        tokio::select! {
+            biased;
+            () = cancel.cancelled() => return,
+            _ = timeout(self.config.renew_deadline, own.wait_for(LeaderStatus::is_leading)) => {}
+        }
+        // The next re-list for discovery (periodic, doorbell, broken watch).
         let mut next_relist = Instant::now();
+        // After a failed list: no new attempt before this.
+        let mut not_before: Option<Instant> = None;
         loop {
             let now = Instant::now();
-            if now >= next_relist {
+            // A lease past its expiry is dropped only after a list confirmed it: re-list then.
+            let confirm_at = self.publish();
+            let mut relist_at = confirm_at.map_or(next_relist, |t| t.min(next_relist));
+            if let Some(t) = not_before {
+                relist_at = relist_at.max(t);
+            }
+            if now >= relist_at {
                 if self.doorbell.is_none() {
                     self.watch_doorbell().await;
                 }
-                next_relist = match self.relist().await {
-                    Ok(()) => Instant::now() + self.relist_every(),
-                    Err(e) => {
-                        warn!(error = %e, "cannot list the controller leases; retrying");
-                        Instant::now() + self.config.retry_period
+                match self.relist().await {
+                    Ok(()) => {
+                        not_before = None;
+                        next_relist = Instant::now() + self.relist_every();
                     }
-                };
+                    Err(e) => {
+                        warn!(error = %e, "cannot list the controller leases; keeping the last count and retrying");
+                        let retry = Instant::now() + self.config.retry_period;
+                        not_before = Some(retry);
+                        next_relist = retry;
+                    }
+                }
+                continue;
             }
-            let now = Instant::now();
-            let wake = self
-                .publish(now)
-                .map_or(next_relist, |t| t.min(next_relist));
             tokio::select! {
                 biased;
                 () = cancel.cancelled() => break,
@@ -433,19 +514,25 @@ impl Counting {
                         next_relist = Instant::now();
                     }
                 },
-                () = sleep_until(wake) => {}
+                () = sleep_until(relist_at) => {}
             }
         }
         debug!("stopped counting controllers");
     }
 
-    /// Publishes the count at `now`; returns the next instant a live lease expires.
-    fn publish(&self, now: Instant) -> Option<Instant> {
+    /// Publishes the count; returns the earliest expiry of a counted lease (in the
+    /// past if one expired and awaits a confirming list).
+    ///
+    /// A lease counts until a list that started at or after its expiry confirmed it unchanged:
+    /// during an outage, when no list succeeds, the count stays as it was.
+    fn publish(&self) -> Option<Instant> {
+        // Nothing is known before the first successful list: keep the initial count.
+        let confirmed = self.confirmed?;
         let mut count = 0;
         let mut next = None::<Instant>;
         for m in self.members.values() {
-            if let Some(t) = m.expires_at()
-                && now < t
+            if let Some(t) = m.expires_at
+                && t > confirmed
             {
                 count += 1;
                 next = Some(next.map_or(t, |n| n.min(t)));
@@ -461,7 +548,8 @@ impl Counting {
     }
 
     async fn relist(&mut self) -> Result<()> {
-        self.last_relist = Some(Instant::now());
+        let started = Instant::now();
+        self.last_relist = Some(started);
         let t = self.op_timeout();
         let items = match timeout(t, self.store.list(&self.config.prefix)).await {
             Ok(r) => r?,
@@ -474,22 +562,25 @@ impl Counting {
             }
         };
         let now = Instant::now();
+        // Leases found by the first successful list: their own renew time counts.
+        let startup = self
+            .confirmed
+            .is_none()
+            .then(|| (SystemTime::now(), self.config.skew_tolerance));
         let mut seen = std::collections::HashSet::new();
         for (key, v) in items {
             seen.insert(key.clone());
             let can_watch = self.can_watch();
             let generation = self.next_gen;
             let m = self.members.entry(key.clone()).or_insert_with(|| Member {
-                record: None,
                 version: None,
-                observed_at: now,
+                expires_at: None,
                 generation,
                 watcher: None,
             });
-            if m.version.as_ref() != Some(&v.version) || m.record.is_none() {
-                m.record = Some(v.record);
+            if m.version.as_ref() != Some(&v.version) {
+                m.expires_at = expiry(now, &v.record, startup);
                 m.version = Some(v.version);
-                m.observed_at = now;
             }
             if can_watch && m.watcher.is_none() {
                 self.next_gen += 1;
@@ -505,6 +596,7 @@ impl Counting {
             }
         }
         self.members.retain(|k, _| seen.contains(k));
+        self.confirmed = Some(started);
         Ok(())
     }
 
@@ -524,9 +616,8 @@ impl Counting {
                     WatchEvent::Put(v) => {
                         if m.version.as_ref() != Some(&v.version) {
                             debug!(key = %key, holder = %v.record.holder_identity, "a controller lease changed");
-                            m.record = Some(v.record);
+                            m.expires_at = expiry(now, &v.record, None);
                             m.version = Some(v.version);
-                            m.observed_at = now;
                         }
                     }
                     WatchEvent::Deleted => {
@@ -535,9 +626,8 @@ impl Counting {
                     }
                     WatchEvent::Corrupt { reason, version } => {
                         warn!(key = %key, reason, "a controller lease holds data that is not a lease record; not counting it");
-                        m.record = None;
+                        m.expires_at = None;
                         m.version = version;
-                        m.observed_at = now;
                     }
                 }
                 false

@@ -9,6 +9,8 @@
 //!   only on top of the new one.
 //! - [`AlwaysLeading`] (k0s's `Dummy`/`AlwaysLeading`): the same interface for single-controller
 //!   setups, where leader election is unnecessary.
+//! - [`NeverLeading`] (k0s's `Dummy{Leader: false}`): the same interface, never leading, for
+//!   tests and for processes that must never run leader-only work.
 //! - [`ControllerCounter`] (k0s's `K0sControllersLeaseCounter`): every controller holds its own
 //!   lease `<prefix><node-name>`; the counter reports how many controllers are alive.
 //!
@@ -35,5 +37,19 @@ mod pool;
 pub mod conformance;
 
 pub use callbacks::LeaseCallback;
-pub use counter::{ControllerCounter, CountChanged, CounterConfig};
-pub use pool::{AlwaysLeading, LeaderElector, LeaderLease};
+pub use counter::{
+    ControllerCounter, CountChanged, CounterConfig, DEFAULT_SKEW_TOLERANCE, INITIAL_COUNT,
+};
+pub use pool::{AlwaysLeading, LeaderElector, LeaderLease, NeverLeading};
+
+use std::time::Duration;
+
+/// k0s's lease duration (its `LeasePool` and controller leases): 60 s.
+pub const LEASE_DURATION: Duration = Duration::from_secs(60);
+/// k0s's renew deadline: 15 s.
+pub const RENEW_DEADLINE: Duration = Duration::from_secs(15);
+/// k0s's retry period: 5 s.
+pub const RETRY_PERIOD: Duration = Duration::from_secs(5);
+/// The Kubernetes namespace k0s keeps its Leases in (its leader lease and the per-controller
+/// leases): pass it to the Kubernetes store's configuration (`leasehold-kube`).
+pub const NODE_LEASE_NAMESPACE: &str = "kube-node-lease";

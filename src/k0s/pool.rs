@@ -13,7 +13,7 @@ use crate::error::Result;
 use crate::status::{
     LeaderStatus, Leadership, StatusCell, StatusChanged, StatusSource, StopCause, Validity,
 };
-use crate::store::DynLeaseStore;
+use crate::store::{DynLeaseStore, LeaseKey};
 
 /// What a controller component gets to find out whether it leads: k0s's
 /// `leaderelector.Interface`.
@@ -54,13 +54,28 @@ pub trait LeaderElector: StatusSource {
 /// deprecated API; [`stop`](LeaderLease::stop) ends leadership in order (leader tasks and
 /// lost-lease callbacks finish first), releases the lease and waits for everything to stop.
 ///
+/// Use [`LeaderLease::default_config`] for k0s's timings (lease 60 s, renew deadline 15 s,
+/// retry period 5 s: [`LEASE_DURATION`](super::LEASE_DURATION),
+/// [`RENEW_DEADLINE`](super::RENEW_DEADLINE), [`RETRY_PERIOD`](super::RETRY_PERIOD));
+/// [`ElectorConfig::new`] has client-go's shorter ones (15 s / 10 s / 2 s). On Kubernetes, k0s
+/// keeps its Leases in the `kube-node-lease` namespace
+/// ([`NODE_LEASE_NAMESPACE`](super::NODE_LEASE_NAMESPACE)).
+///
 /// ```no_run
 /// # async fn demo(store: leasehold::DynLeaseStore) -> leasehold::Result<()> {
-/// use leasehold::{ElectorConfig, LeaseKey, run_leader_tasks};
+/// use leasehold::{LeaseKey, run_leader_tasks};
 /// use leasehold::k0s::LeaderLease;
 /// use tokio_util::sync::CancellationToken;
 ///
-/// let config = ElectorConfig::new(LeaseKey::new("k0s-endpoint-reconciler")?, "node-1");
+/// // On Kubernetes, as k0s does (crate `leasehold-kube`):
+/// //   let store = Arc::new(KubeStore::from_env(
+/// //       KubeStoreConfig::default().namespace(leasehold::k0s::NODE_LEASE_NAMESPACE),
+/// //   ).await?);
+/// let config = LeaderLease::default_config(LeaseKey::new("k0s-endpoint-reconciler")?, "node-1");
+/// assert_eq!(
+///     (config.lease_duration.as_secs(), config.renew_deadline.as_secs(), config.retry_period.as_secs()),
+///     (60, 15, 5), // k0s's LeasePool timings
+/// );
 /// let lease = LeaderLease::start(store, config)?;
 /// let shutdown = CancellationToken::new();
 /// run_leader_tasks(shutdown.clone(), &lease, |leader| async move {
@@ -88,6 +103,18 @@ impl fmt::Debug for LeaderLease {
 // === impl LeaderLease ===
 
 impl LeaderLease {
+    /// An elector configuration with k0s's `LeasePool` timings: lease 60 s, renew deadline 15 s,
+    /// retry period 5 s (and the default drain timeout of 30 s). A missing record is created only
+    /// after a lease duration (see [`ElectorConfig::trust_absence`]); a released one is taken at
+    /// once.
+    pub fn default_config(key: LeaseKey, identity: impl Into<String>) -> ElectorConfig {
+        ElectorConfig::new(key, identity).with_timings(
+            super::LEASE_DURATION,
+            super::RENEW_DEADLINE,
+            super::RETRY_PERIOD,
+        )
+    }
+
     /// Validates `config` and starts campaigning on `store`.
     ///
     /// # Errors
@@ -112,7 +139,12 @@ impl LeaderLease {
     }
 
     /// Gives up the lease (in order: leader tasks and lost-lease callbacks finish first) and does
-    /// not campaign for `duration` (k0s's `YieldLease`). A new yield while yielding extends it.
+    /// not campaign for `duration` (k0s's `YieldLease`), counted from when the yield is applied.
+    ///
+    /// A later yield **replaces** the duration of an earlier one, counted from when the later
+    /// one is applied: it neither adds to it nor keeps the longer of the two. Yielding 10 min and
+    /// then, a minute later, 30 s means campaigning again 30 s after the second call; yielding
+    /// 30 s and then 10 min means 10 min after the second call.
     ///
     /// # Errors
     /// [`Error::Shutdown`](crate::Error::Shutdown) when the lease has been stopped.
@@ -248,5 +280,82 @@ impl LeaderElector for AlwaysLeading {
 
     fn add_lost_lease_callback(&self, f: LeaseCallback) {
         self.callbacks.add_lost(f);
+    }
+}
+
+/// A leader elector that never leads (k0s's `Dummy{Leader: false}`): for tests of components
+/// in their follower role, and for setups where this process must never run leader-only work.
+///
+/// Its status is always [`LeaderStatus::NotLeading`] with no known leader, and its change
+/// future never resolves, so [`run_leader_tasks`](crate::run_leader_tasks) never starts a task.
+/// Callbacks of the deprecated API are accepted and never run (there is no term to start or
+/// end). [`yield_lease`](NeverLeading::yield_lease) and [`stop`](NeverLeading::stop) do nothing.
+/// It needs no runtime.
+pub struct NeverLeading {
+    cell: StatusCell,
+}
+
+impl fmt::Debug for NeverLeading {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("NeverLeading").finish_non_exhaustive()
+    }
+}
+
+// === impl NeverLeading ===
+
+impl NeverLeading {
+    /// A leader elector that never leads.
+    pub fn new() -> Self {
+        NeverLeading {
+            cell: StatusCell::new(LeaderStatus::NotLeading { leader: None }),
+        }
+    }
+
+    /// A `tokio::sync::watch` receiver of the status (it never changes).
+    pub fn subscribe(&self) -> watch::Receiver<LeaderStatus> {
+        self.cell.subscribe()
+    }
+
+    /// Does nothing: there is no lease to yield. Returns at once.
+    ///
+    /// # Errors
+    /// Never.
+    ///
+    /// # Cancel safety
+    /// Cancel safe.
+    pub async fn yield_lease(&self, duration: Duration) -> Result<()> {
+        tracing::debug!(?duration, "never leading: nothing to yield");
+        Ok(())
+    }
+
+    /// Does nothing: there is no term to end. Returns at once.
+    ///
+    /// # Cancel safety
+    /// Cancel safe.
+    pub async fn stop(&self) {}
+}
+
+impl Default for NeverLeading {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl StatusSource for NeverLeading {
+    fn current_status(&self) -> (LeaderStatus, StatusChanged) {
+        self.cell.current_status()
+    }
+}
+
+#[allow(deprecated)]
+impl LeaderElector for NeverLeading {
+    /// Accepted and never run: a term never starts.
+    fn add_acquired_lease_callback(&self, f: LeaseCallback) {
+        drop(f);
+    }
+
+    /// Accepted and never run: a term never ends.
+    fn add_lost_lease_callback(&self, f: LeaseCallback) {
+        drop(f);
     }
 }
