@@ -782,6 +782,12 @@ impl Sim {
     fn crash(&mut self, n: usize) {
         let identity = self.nodes[n].identity.clone();
         self.log(|| format!("chaos: {identity} crashes"));
+        self.take_down(n, Duration::from_secs(3));
+    }
+
+    /// Node `n` is gone (crashed or stopped): its term ends now, and a new incarnation starts
+    /// within `restart_within`.
+    fn take_down(&mut self, n: usize, restart_within: Duration) {
         if let Some(i) = self.nodes[n].interval.take() {
             let now = self.now;
             let iv = &mut self.intervals[i];
@@ -789,7 +795,7 @@ impl Sim {
         }
         self.nodes[n].machine = None;
         self.nodes[n].watch = None;
-        let at = self.now + self.rng.dur(Duration::ZERO, Duration::from_secs(3));
+        let at = self.now + self.rng.dur(Duration::ZERO, restart_within);
         self.faults_until = self.faults_until.max(at);
         self.push(at, n, Ev::Start);
     }
@@ -1095,16 +1101,7 @@ impl Sim {
             Output::YieldDone { .. } => {}
             Output::Stopped => {
                 self.log(|| format!("{identity} stopped"));
-                if let Some(i) = self.nodes[n].interval.take() {
-                    let now = self.now;
-                    let iv = &mut self.intervals[i];
-                    iv.end = Some(iv.end.unwrap_or(now).min(now));
-                }
-                self.nodes[n].machine = None;
-                self.nodes[n].watch = None;
-                let at = self.now + self.rng.dur(Duration::ZERO, Duration::from_secs(2));
-                self.faults_until = self.faults_until.max(at);
-                self.push(at, n, Ev::Start);
+                self.take_down(n, Duration::from_secs(2));
             }
             _ => {}
         }
