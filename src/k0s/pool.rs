@@ -27,7 +27,12 @@ pub trait LeaderElector: StatusSource {
         note = "use `current_status()` (and `run_leader_tasks`): a boolean snapshot can be stale by the time it is acted on"
     )]
     fn is_leader(&self) -> bool {
-        self.current_status().0.is_leading()
+        // Deadline-checked: a term whose validity passed is not leading, even before its end is
+        // published.
+        self.current_status()
+            .0
+            .leadership()
+            .is_some_and(Leadership::is_valid)
     }
 
     /// Registers a callback run each time leadership is acquired (and promptly, if registered
