@@ -266,16 +266,16 @@ impl Then {
 #[derive(Debug)]
 enum Mode {
     Following,
-    Leading(Term),
+    Leading(Box<Term>),
     /// Stepped down on purpose; still renewing while the term's tasks drain.
     Draining {
-        term: Term,
+        term: Box<Term>,
         until: Instant,
         then: Then,
     },
     /// Tasks drained: writing the release.
     Releasing {
-        term: Term,
+        term: Box<Term>,
         then: Then,
         tries: u32,
     },
@@ -313,7 +313,7 @@ enum Purpose {
 struct InFlight {
     id: RequestId,
     sent: Instant,
-    purpose: Purpose,
+    purpose: Box<Purpose>,
 }
 
 #[derive(Debug)]
@@ -331,7 +331,7 @@ enum YieldUntil {
 
 /// The elector state machine. See the [module docs](self).
 pub struct Machine {
-    cfg: ElectorConfig,
+    cfg: std::sync::Arc<ElectorConfig>,
     can_watch: bool,
     rng: u64,
     mode: Mode,
@@ -339,7 +339,7 @@ pub struct Machine {
     known_max: Option<u64>,
     mine: Option<Mine>,
     /// An acquire whose outcome is unknown (it failed or timed out): recognised if a read shows it.
-    pending_acquire: Option<(LeaseRecord, Instant, bool)>,
+    pending_acquire: Option<Box<(LeaseRecord, Instant, bool)>>,
     /// States (versions; `None` for absent) first observed while an acquire was in flight.
     seen_during_acquire: Vec<Option<Version>>,
     inflight: Option<InFlight>,
@@ -402,7 +402,7 @@ impl Machine {
     pub fn new(config: ElectorConfig, can_watch: bool, seed: u64, now: Now) -> Result<Self, Error> {
         config.validate()?;
         let mut m = Machine {
-            cfg: config,
+            cfg: std::sync::Arc::new(config),
             can_watch,
             rng: seed ^ 0x9E37_79B9_7F4A_7C15,
             mode: Mode::Following,
@@ -435,6 +435,11 @@ impl Machine {
     /// The configuration.
     pub fn config(&self) -> &ElectorConfig {
         &self.cfg
+    }
+
+    /// The configuration, shared (for a driver that keeps it too).
+    pub fn shared_config(&self) -> std::sync::Arc<ElectorConfig> {
+        self.cfg.clone()
     }
 
     /// The next output, if any.
@@ -571,7 +576,7 @@ impl Machine {
             return;
         };
         let InFlight { sent, purpose, .. } = inflight;
-        match purpose {
+        match *purpose {
             Purpose::Read => self.on_read(now, result),
             Purpose::Seed { replace } => self.on_seed(now, replace, result),
             Purpose::Acquire {
@@ -694,7 +699,7 @@ impl Machine {
         self.inflight = Some(InFlight {
             id,
             sent: now.instant,
-            purpose,
+            purpose: Box::new(purpose),
         });
         self.out
             .push_back(Output::Request(Request { id, op, deadline }));
@@ -780,13 +785,11 @@ impl Machine {
             (None, _) => false,
         };
         if !same {
-            if matches!(
-                self.inflight,
-                Some(InFlight {
-                    purpose: Purpose::Acquire { .. },
-                    ..
-                })
-            ) && self.seen_during_acquire.len() < 64
+            if self
+                .inflight
+                .as_ref()
+                .is_some_and(|f| matches!(*f.purpose, Purpose::Acquire { .. }))
+                && self.seen_during_acquire.len() < 64
             {
                 self.seen_during_acquire.push(match &seen {
                     Seen::Absent => None,
@@ -1309,9 +1312,10 @@ impl Machine {
                 other => self.observe(now, other),
             },
             Mode::Following => {
-                if let (Seen::Record(v), Some((rec, sent, fresh)), None) =
+                if let (Seen::Record(v), Some(pending), None) =
                     (&seen, &self.pending_acquire, &self.inflight)
                 {
+                    let (rec, sent, fresh) = &**pending;
                     let mine = Mine {
                         token: rec.transitions,
                         acquire_time: rec.acquire_time,
@@ -1502,7 +1506,7 @@ impl Machine {
                 }
                 // The write may have landed (a timeout, or a client retry that found our own
                 // write): a read tells, by holder, fencing token and acquire time.
-                self.pending_acquire = Some((record, sent, fresh));
+                self.pending_acquire = Some(Box::new((record, sent, fresh)));
                 self.need_read = true;
                 if !matches!(
                     e,
@@ -1580,7 +1584,7 @@ impl Machine {
             }),
         );
         let retry = self.cfg.retry_period;
-        let term = Term {
+        let term = Box::new(Term {
             mine,
             record,
             version,
@@ -1588,7 +1592,7 @@ impl Machine {
             attempts: Vec::new(),
             next_renew: later(sent, retry).unwrap_or(sent),
             failures: 0,
-        };
+        });
         let valid_until = later(sent, self.cfg.renew_deadline);
         let still_valid = valid_until.is_some_and(|v| now.instant < v);
         if self.stop_requested || !self.deferred_yields.is_empty() {

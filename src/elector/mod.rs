@@ -313,7 +313,7 @@ impl Commands {
 }
 
 struct Shared {
-    config: ElectorConfig,
+    config: Arc<ElectorConfig>,
     status: StatusCell,
     commands: Commands,
     /// The current (or draining) term's validity, for health checks and for revoking it if the
@@ -373,14 +373,9 @@ impl Elector {
     /// # Panics
     /// When called outside a Tokio runtime.
     pub fn spawn(store: DynLeaseStore, config: ElectorConfig) -> Result<Elector> {
-        let machine = Machine::new(
-            config.clone(),
-            store.capabilities().watch,
-            rand::random(),
-            now(),
-        )?;
+        let machine = Machine::new(config, store.capabilities().watch, rand::random(), now())?;
         let shared = Arc::new(Shared {
-            config,
+            config: machine.shared_config(),
             status: StatusCell::default(),
             commands: Commands::default(),
             validity: Mutex::new(None),
