@@ -301,7 +301,6 @@ enum Purpose {
         sent: Instant,
     },
     Renew {
-        attempt: Attempt,
         record: LeaseRecord,
     },
     Release {
@@ -502,14 +501,6 @@ impl Machine {
         matches!(self.mode, Mode::Stopped)
     }
 
-    /// Whether the machine currently holds a term (leading, or draining after a step-down).
-    pub fn holds_term(&self) -> bool {
-        matches!(
-            self.mode,
-            Mode::Leading(_) | Mode::Draining { .. } | Mode::Releasing { .. }
-        )
-    }
-
     /// Processes timers due at `now`.
     pub fn handle_timeout(&mut self, now: Now) {
         self.step(now);
@@ -589,7 +580,7 @@ impl Machine {
                 version,
                 sent,
             } => self.on_verify(now, sent, record, version, result),
-            Purpose::Renew { attempt, record } => self.on_renew(now, attempt, record, result),
+            Purpose::Renew { record } => self.on_renew(now, record, result),
             Purpose::Release { record } => self.on_release(now, record, result),
         }
         self.step(now);
@@ -1110,7 +1101,7 @@ impl Machine {
                 record: record.clone(),
                 expected,
             },
-            Purpose::Renew { attempt, record },
+            Purpose::Renew { record },
             deadline,
         );
     }
@@ -1641,13 +1632,7 @@ impl Machine {
         self.mode = Mode::Leading(term);
     }
 
-    fn on_renew(
-        &mut self,
-        now: Now,
-        attempt: Attempt,
-        record: LeaseRecord,
-        result: Result<Reply, Error>,
-    ) {
+    fn on_renew(&mut self, now: Now, record: LeaseRecord, result: Result<Reply, Error>) {
         let holding = matches!(
             self.mode,
             Mode::Leading(_) | Mode::Draining { .. } | Mode::Releasing { .. }
@@ -1669,7 +1654,6 @@ impl Machine {
             }
             Err(e) => {
                 warn!(error = %e, retryable = e.is_retryable(), "renewal failed; reading back and retrying until the renew deadline");
-                let _ = attempt;
                 self.renew_failed(now);
             }
         }

@@ -120,22 +120,21 @@ impl Store {
         }
     }
 
-    /// Applies `op`; returns the result and the change it made, if any.
-    fn apply(&mut self, op: &Op) -> (Result<Reply, Error>, Option<Option<Stored>>) {
+    /// Applies `op`; returns the result and whether it changed the key.
+    fn apply(&mut self, op: &Op) -> (Result<Reply, Error>, bool) {
         match op {
-            Op::Get => (self.read(), None),
-            Op::FencingSeed => (Ok(Reply::Seed(self.rev + 1)), None),
+            Op::Get => (self.read(), false),
+            Op::FencingSeed => (Ok(Reply::Seed(self.rev + 1)), false),
             Op::Create(r) => {
                 if self.cur.is_some() {
-                    return (Err(Error::AlreadyExists { key: "sim".into() }), None);
+                    return (Err(Error::AlreadyExists { key: "sim".into() }), false);
                 }
-                let change = Some(Stored::Record(r.clone()));
-                let v = self.write(change.clone());
-                (Ok(Reply::Written(Version::from(v))), Some(change))
+                let v = self.write(Some(Stored::Record(r.clone())));
+                (Ok(Reply::Written(Version::from(v))), true)
             }
             Op::Update { record, expected } => {
                 let Some(cur) = self.version() else {
-                    return (Err(Error::NotFound { key: "sim".into() }), None);
+                    return (Err(Error::NotFound { key: "sim".into() }), false);
                 };
                 if Version::from(cur) != *expected {
                     return (
@@ -143,14 +142,13 @@ impl Store {
                             key: "sim".into(),
                             expected: expected.clone(),
                         }),
-                        None,
+                        false,
                     );
                 }
-                let change = Some(Stored::Record(record.clone()));
-                let v = self.write(change.clone());
-                (Ok(Reply::Written(Version::from(v))), Some(change))
+                let v = self.write(Some(Stored::Record(record.clone())));
+                (Ok(Reply::Written(Version::from(v))), true)
             }
-            _ => (Err(unavailable("unknown op")), None),
+            _ => (Err(unavailable("unknown op")), false),
         }
     }
 
@@ -1108,9 +1106,9 @@ impl Sim {
     }
 
     fn commit(&mut self, n: usize, inc: u64, req: RequestId, op: Op, fate: Fate) {
-        let (result, change) = self.store.apply(&op);
-        if let Some(change) = change {
-            self.notify(change.is_some());
+        let (result, changed) = self.store.apply(&op);
+        if changed {
+            self.notify();
         }
         let identity = self.nodes[n].identity.clone();
         self.log(|| {
@@ -1127,9 +1125,9 @@ impl Sim {
             Fate::Replay => {
                 if result.is_ok() {
                     // The client retried a write that had landed: the retry reports a conflict.
-                    let (again, change) = self.store.apply(&op);
-                    if let Some(change) = change {
-                        self.notify(change.is_some());
+                    let (again, changed) = self.store.apply(&op);
+                    if changed {
+                        self.notify();
                     }
                     Some(again)
                 } else {
@@ -1170,13 +1168,12 @@ impl Sim {
     }
 
     fn store_write(&mut self, v: Option<Stored>) {
-        let present = v.is_some();
         self.store.write(v);
-        self.notify(present);
+        self.notify();
     }
 
     /// Schedules the current state for every open watch, in order per watch.
-    fn notify(&mut self, _present: bool) {
+    fn notify(&mut self) {
         let Some(ev) = self.store.event() else { return };
         for n in 0..self.nodes.len() {
             let Some(w) = &self.nodes[n].watch else {

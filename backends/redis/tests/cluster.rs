@@ -38,15 +38,7 @@ async fn a_cluster_store_keeps_a_namespace_in_one_slot_and_survives_a_slot_migra
     let cluster = Cluster::start(3);
     let ports: Vec<u16> = cluster.nodes.iter().map(|n| n.port).collect();
     let prefix = unique_prefix();
-    let mut cfg = RedisConfig::new(format!("redis://127.0.0.1:{}", ports[0]))
-        .unwrap()
-        .prefix(prefix.clone())
-        .unwrap()
-        .operation_timeout(Duration::from_secs(5))
-        .cluster();
-    for p in &ports[1..] {
-        cfg = cfg.cluster_seed(format!("redis://127.0.0.1:{p}")).unwrap();
-    }
+    let cfg = cluster_config(&ports, &prefix).operation_timeout(Duration::from_secs(5));
     let s = RedisStore::connect(cfg).await.unwrap();
     let k = key("clustered");
 
@@ -132,16 +124,9 @@ async fn a_cluster_store_carries_on_after_the_master_of_its_slot_fails_over() {
     let mut cluster = Cluster::start_with_replicas(3, 1);
     let ports: Vec<u16> = cluster.nodes.iter().map(|n| n.port).collect();
     let prefix = unique_prefix();
-    let mut cfg = RedisConfig::new(format!("redis://127.0.0.1:{}", ports[0]))
-        .unwrap()
-        .prefix(prefix.clone())
-        .unwrap()
+    let cfg = cluster_config(&ports, &prefix)
         .operation_timeout(Duration::from_secs(2))
-        .watch_ping_interval(Duration::from_millis(200))
-        .cluster();
-    for p in &ports[1..] {
-        cfg = cfg.cluster_seed(format!("redis://127.0.0.1:{p}")).unwrap();
-    }
+        .watch_ping_interval(Duration::from_millis(200));
     let s = RedisStore::connect(cfg).await.unwrap();
     let k = key("failover");
     let v1 = s.create(&k, &record("a", 1)).await.unwrap();
@@ -179,4 +164,17 @@ async fn a_cluster_store_carries_on_after_the_master_of_its_slot_fails_over() {
     assert!(![&v1, &v2].contains(&&v3));
     // The watch follows, through another seed if its node died.
     assert_eq!(next_put(&mut w).await.version, v3);
+}
+
+/// A cluster configuration under `prefix`, seeded with every node of the cluster.
+fn cluster_config(ports: &[u16], prefix: &str) -> RedisConfig {
+    let mut cfg = RedisConfig::new(format!("redis://127.0.0.1:{}", ports[0]))
+        .unwrap()
+        .prefix(prefix.to_owned())
+        .unwrap()
+        .cluster();
+    for p in &ports[1..] {
+        cfg = cfg.cluster_seed(format!("redis://127.0.0.1:{p}")).unwrap();
+    }
+    cfg
 }
