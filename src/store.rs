@@ -292,15 +292,34 @@ pub type WatchStream = BoxStream<'static, Result<WatchEvent>>;
 pub struct Capabilities {
     /// [`LeaseStore::watch`] is supported. Without it the elector polls every retry period.
     pub watch: bool,
+    /// The longest one operation of this store may take before it fails with
+    /// [`Error::Timeout`], when the store bounds its operations. [`Elector::spawn`] rejects a
+    /// configuration whose `renew_deadline` is not longer than this: a leader could then never
+    /// learn the outcome of a renewal in time.
+    ///
+    /// [`Elector::spawn`]: crate::Elector::spawn
+    pub operation_timeout: Option<Duration>,
 }
 
 // === impl Capabilities ===
 
 impl Capabilities {
     /// A store that can watch.
-    pub const WATCH: Capabilities = Capabilities { watch: true };
+    pub const WATCH: Capabilities = Capabilities {
+        watch: true,
+        operation_timeout: None,
+    };
     /// A store that cannot watch (the elector polls).
-    pub const POLL: Capabilities = Capabilities { watch: false };
+    pub const POLL: Capabilities = Capabilities {
+        watch: false,
+        operation_timeout: None,
+    };
+
+    /// These capabilities with operations bounded by `timeout`.
+    pub const fn with_operation_timeout(mut self, timeout: Duration) -> Self {
+        self.operation_timeout = Some(timeout);
+        self
+    }
 }
 
 /// A lease store: the contract between store implementations and the elector.

@@ -368,12 +368,27 @@ impl Elector {
     /// Validates `config` and starts campaigning on `store` in a background task.
     ///
     /// # Errors
-    /// [`Error::InvalidConfig`] when the configuration is invalid.
+    /// [`Error::InvalidConfig`] when the configuration is invalid (see
+    /// [`ElectorConfig::validate`]), or when the store's operation timeout
+    /// ([`Capabilities::operation_timeout`](crate::Capabilities::operation_timeout)) is not
+    /// shorter than `renew_deadline`.
     ///
     /// # Panics
     /// When called outside a Tokio runtime.
     pub fn spawn(store: DynLeaseStore, config: ElectorConfig) -> Result<Elector> {
-        let machine = Machine::new(config, store.capabilities().watch, rand::random(), now())?;
+        let caps = store.capabilities();
+        if let Some(timeout) = caps.operation_timeout
+            && timeout >= config.renew_deadline
+        {
+            return Err(Error::InvalidConfig(format!(
+                "the {} store's operation timeout ({timeout:?}) is not shorter than the elector's \
+                 renew_deadline ({:?}): a leader could never learn in time whether a renewal \
+                 landed; lower the store's operation timeout or raise renew_deadline",
+                store.name(),
+                config.renew_deadline
+            )));
+        }
+        let machine = Machine::new(config, caps.watch, rand::random(), now())?;
         let shared = Arc::new(Shared {
             config: machine.shared_config(),
             status: StatusCell::default(),
