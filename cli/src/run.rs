@@ -1,0 +1,360 @@
+//! `leasehold run`: campaign, run the command only while leading, stop it in order.
+
+use std::cell::RefCell;
+use std::process::ExitStatus;
+use std::sync::Arc;
+use std::time::Duration;
+
+use leasehold::{Elector, ElectorConfig, LeaderContext, LeaderStatus, LeaseKey, StopCause};
+use tokio::signal::unix::{SignalKind, signal};
+use tokio_util::sync::CancellationToken;
+
+use crate::exit::{self, CliError};
+use crate::{RunArgs, child, http, stores};
+
+pub(crate) const LONG_ABOUT: &str = "\
+Campaign for a lease and run a command only while holding it.
+
+leasehold campaigns for --lease on --store. Once it holds the lease it starts the command in
+its own process group, with these variables in its environment:
+  LEASEHOLD_LEASE           the lease name
+  LEASEHOLD_IDENTITY        this candidate's identity
+  LEASEHOLD_FENCING_TOKEN   the term's fencing token: pass it to systems that can reject
+                            writes of an older term
+stdin, stdout and stderr pass through. While it waits, leasehold says on stderr who holds the
+lease.
+
+When leadership ends, the command is stopped before anything else: SIGTERM to its process
+group, SIGKILL after --grace, and leasehold waits for it. Leadership ends when
+  - the lease is lost (another holder took it, or no renewal landed within --renew-deadline).
+    The command is signalled as soon as the term's deadline passes by the monotonic clock, even
+    if leasehold itself was paused (SIGSTOP, a VM stall) and has not yet heard of the loss. The
+    grace is then at most --lease-duration minus --renew-deadline, the time before another
+    candidate may take over;
+  - leasehold gets SIGTERM, SIGINT or SIGHUP: it stops the command while it still renews the
+    lease, and only then releases it (ordered release), so the next holder starts right after.
+When the command exits by itself, leasehold releases the lease and exits with the command's
+exit code (128+N if a signal N killed it), or with --restart releases it and campaigns again.
+
+If leasehold itself dies (SIGKILL, OOM kill), its command gets SIGKILL at once on Linux and
+FreeBSD (parent-death signal), so it never runs beside the next holder's. Processes the command
+started in other process groups, or that outlive it, are not covered; on other platforms there
+is no parent-death signal. The command runs in a background process group: it must not read
+from the terminal (that stops it with SIGTTIN); give it its input through a pipe or a file.";
+
+pub(crate) const EXAMPLES: &str = "\
+Examples:
+  leasehold run --store redis://127.0.0.1:6379 --lease report -- ./report.sh --daily
+  leasehold run --store etcds://etcd-1:2379,etcd-2:2379 --tls-ca ca.pem \\
+      --lease billing --restart --grace 30s -- billing-worker
+  leasehold run --store kube://prod --lease cron --http 127.0.0.1:9090 -- ./cron.sh";
+
+/// How one term's command ended.
+enum Outcome {
+    /// It exited by itself.
+    Exited(ExitStatus),
+    /// leasehold stopped it because it was told to stop (a signal).
+    Stopped(ExitStatus),
+    /// leasehold stopped it because the lease was lost.
+    Lost(ExitStatus),
+    /// It could not be started.
+    SpawnFailed(CliError),
+}
+
+struct State {
+    outcome: RefCell<Option<Outcome>>,
+    signal: RefCell<Option<i32>>,
+}
+
+fn say(msg: impl AsRef<str>) {
+    eprintln!("leasehold: {}", msg.as_ref());
+}
+
+pub(crate) async fn run(args: RunArgs) -> Result<u8, CliError> {
+    let url = args.store.url()?;
+    let key = LeaseKey::new(&args.lease).map_err(|e| CliError::usage(e.to_string()))?;
+    let identity = args
+        .identity
+        .clone()
+        .unwrap_or_else(leasehold::default_identity);
+    let config = ElectorConfig::new(key.clone(), identity.clone())
+        .with_timings(args.lease_duration, args.renew_deadline, args.retry_period)
+        // The command is stopped (SIGTERM, --grace, SIGKILL) before the release: give the
+        // drain that long and a little more.
+        .with_drain_timeout(args.grace + Duration::from_secs(5));
+    config.validate().map_err(|e| {
+        CliError::usage(format!(
+            "{e} (--lease-duration, --renew-deadline, --retry-period)"
+        ))
+    })?;
+    if args.grace.is_zero() {
+        return Err(CliError::usage("--grace must be longer than zero"));
+    }
+    // A store operation must end well inside the renew deadline.
+    let timeouts = stores::Timeouts {
+        operation: (args.renew_deadline / 2).min(Duration::from_secs(2)),
+        connect: Duration::from_secs(3),
+    };
+    let shown = url.display();
+    let store = stores::connect(&url, &args.store.tls(), timeouts).await?;
+    // Fail early, with a clear message, on an unreachable store or missing permissions.
+    match store.get(&key).await {
+        Ok(_) | Err(leasehold::Error::Corrupt { .. }) => {}
+        Err(e) => {
+            return Err(CliError::store(
+                &format!("cannot read lease {key} on {shown}"),
+                e,
+            ));
+        }
+    }
+    let metrics = match args.http {
+        Some(addr) => Some(http::Server::bind(addr).await?),
+        None => None,
+    };
+    let elector = Arc::new(
+        Elector::spawn(store, config)
+            .map_err(|e| CliError::store("cannot start the elector", e))?,
+    );
+    if let Some(server) = metrics {
+        let addr = server.local_addr();
+        server.serve(elector.clone());
+        say(format!("serving /healthz and /metrics on http://{addr}"));
+    }
+    say(format!(
+        "campaigning for lease {key} on {shown} as {identity}"
+    ));
+
+    let state = State {
+        outcome: RefCell::new(None),
+        signal: RefCell::new(None),
+    };
+    let parent = CancellationToken::new();
+    let lost_grace = args
+        .grace
+        .min(args.lease_duration.saturating_sub(args.renew_deadline))
+        .max(Duration::from_millis(1));
+    let ctx = TaskCtx {
+        args: &args,
+        key: &key,
+        identity: &identity,
+        state: &state,
+        parent: &parent,
+        elector: &elector,
+        lost_grace,
+    };
+    let tasks = leasehold::run_leader_tasks(parent.clone(), &*elector, |leader| {
+        let ctx = &ctx;
+        async move { ctx.term(leader).await }
+    });
+    tokio::select! {
+        () = tasks => {}
+        () = signals(&state, &parent) => {}
+        () = progress(&elector, &key) => {}
+        () = elector.stopped() => {
+            // Not asked to stop: the elector failed.
+            parent.cancel();
+        }
+    }
+    let shutdown = elector.shutdown().await;
+    let outcome = state.outcome.borrow_mut().take();
+    let sig = *state.signal.borrow();
+    if let Err(e) = shutdown {
+        return Err(CliError::new(
+            exit::SOFTWARE,
+            format!("the elector failed: {e}"),
+        ));
+    }
+    match outcome {
+        Some(Outcome::SpawnFailed(e)) => Err(e),
+        Some(Outcome::Lost(s)) => {
+            say(format!(
+                "exiting with {}: the lease {key} was lost while the command ran (it {})",
+                exit::LEASE_LOST,
+                exit::describe_status(s)
+            ));
+            Ok(exit::LEASE_LOST)
+        }
+        Some(Outcome::Exited(s) | Outcome::Stopped(s)) => {
+            say(format!("released lease {key}"));
+            Ok(exit::code_of_status(s))
+        }
+        None => match sig {
+            Some(sig) => Ok(u8::try_from(128 + sig).unwrap_or(exit::SOFTWARE)),
+            None => Err(CliError::new(
+                exit::SOFTWARE,
+                "the elector stopped unexpectedly",
+            )),
+        },
+    }
+}
+
+/// Waits for SIGTERM, SIGINT or SIGHUP; the first starts the ordered stop (a second one is only
+/// reported: the grace still applies).
+async fn signals(state: &State, parent: &CancellationToken) {
+    let (Ok(mut term), Ok(mut int), Ok(mut hup)) = (
+        signal(SignalKind::terminate()),
+        signal(SignalKind::interrupt()),
+        signal(SignalKind::hangup()),
+    ) else {
+        say("cannot install signal handlers; SIGTERM will kill leasehold without an ordered stop");
+        return std::future::pending().await;
+    };
+    loop {
+        let sig = tokio::select! {
+            _ = term.recv() => 15,
+            _ = int.recv() => 2,
+            _ = hup.recv() => 1,
+        };
+        if state.signal.borrow().is_none() {
+            *state.signal.borrow_mut() = Some(sig);
+            say(format!(
+                "got {}; stopping the command (if running), then releasing the lease",
+                exit::signal_name(sig)
+            ));
+            parent.cancel();
+        } else {
+            say(format!(
+                "got {} again; still waiting for the command to stop",
+                exit::signal_name(sig)
+            ));
+        }
+    }
+}
+
+/// Reports who holds the lease while waiting, on every change.
+async fn progress(elector: &Elector, key: &LeaseKey) {
+    let mut last: Option<Option<String>> = None;
+    loop {
+        let (status, changed) = elector.current_status();
+        if let LeaderStatus::NotLeading { leader } = &status
+            && last.as_ref() != Some(leader)
+        {
+            match leader {
+                Some(l) => say(format!("lease {key} is held by {l}; waiting")),
+                None if last.is_some() => {
+                    say(format!("lease {key} has no live holder; campaigning"))
+                }
+                None => {}
+            }
+            last = Some(leader.clone());
+        }
+        if status.is_leading() {
+            last = None;
+        }
+        drop(status);
+        changed.await;
+    }
+}
+
+struct TaskCtx<'a> {
+    args: &'a RunArgs,
+    key: &'a LeaseKey,
+    identity: &'a str,
+    state: &'a State,
+    parent: &'a CancellationToken,
+    elector: &'a Arc<Elector>,
+    lost_grace: Duration,
+}
+
+impl TaskCtx<'_> {
+    /// One term: start the command, and stop it when the term ends.
+    async fn term(&self, leader: LeaderContext) {
+        let Ok(token) = leader.ensure_leading() else {
+            return;
+        };
+        say(format!(
+            "acquired lease {} (fencing token {token}); starting {}",
+            self.key,
+            shell_words(&self.args.cmd)
+        ));
+        let env = child::ChildEnv {
+            lease: self.key.as_str(),
+            identity: self.identity,
+            fencing_token: token,
+        };
+        // Spawned right here: on the main thread (see `child`).
+        let mut proc = match child::spawn(&self.args.cmd, &env) {
+            Ok(p) => p,
+            Err(e) => {
+                *self.state.outcome.borrow_mut() = Some(Outcome::SpawnFailed(CliError::new(
+                    exit::OSERR,
+                    format!("cannot start the command: {e}"),
+                )));
+                self.parent.cancel();
+                return;
+            }
+        };
+        let Some(pgid) = child::group_of(&proc) else {
+            // Already reaped: cannot happen before we wait; treat as exited.
+            return;
+        };
+        http::command_running(self.key, true);
+        let outcome = tokio::select! {
+            biased;
+            () = leader.cancelled() => {
+                let cause = leader.cause();
+                let lost = cause == Some(StopCause::LeaseLost);
+                let grace = if lost { self.lost_grace } else { self.args.grace };
+                say(format!(
+                    "{}; stopping the command: SIGTERM to process group {}, SIGKILL after {}",
+                    match cause {
+                        Some(StopCause::LeaseLost) => "leadership ended: the lease was lost",
+                        Some(StopCause::SteppedDown) => "leadership ended: stepping down",
+                        _ => "stopping",
+                    },
+                    pgid.as_raw_nonzero(),
+                    humantime::format_duration(grace)
+                ));
+                let status = child::stop(&mut proc, pgid, grace).await;
+                say(format!("the command {}", exit::describe_status(status)));
+                if lost { Outcome::Lost(status) } else { Outcome::Stopped(status) }
+            }
+            status = proc.wait() => {
+                let status = match status {
+                    Ok(s) => s,
+                    Err(_) => child::stop(&mut proc, pgid, self.args.grace).await,
+                };
+                child::reap_rest(pgid, self.args.grace).await;
+                say(format!("the command {}", exit::describe_status(status)));
+                Outcome::Exited(status)
+            }
+        };
+        http::command_running(self.key, false);
+        let lost = matches!(outcome, Outcome::Lost(_));
+        let exited = matches!(outcome, Outcome::Exited(_));
+        *self.state.outcome.borrow_mut() = Some(outcome);
+        if !self.args.restart || self.parent.is_cancelled() {
+            self.parent.cancel();
+            return;
+        }
+        if lost {
+            say(format!("campaigning again for lease {}", self.key));
+        } else if exited {
+            // Let the others have a go: release, and stay out for one retry period.
+            say(format!(
+                "releasing lease {} and campaigning again (--restart)",
+                self.key
+            ));
+            let elector = self.elector.clone();
+            let pause = self.args.retry_period;
+            tokio::spawn(async move {
+                let _ = elector.yield_for(pause).await;
+            });
+        }
+    }
+}
+
+/// The command as a person would type it (for messages).
+fn shell_words(cmd: &[std::ffi::OsString]) -> String {
+    cmd.iter()
+        .map(|a| {
+            let s = a.to_string_lossy();
+            if s.is_empty() || s.contains(|c: char| c.is_whitespace() || "'\"$\\".contains(c)) {
+                format!("'{}'", s.replace('\'', r"'\''"))
+            } else {
+                s.into_owned()
+            }
+        })
+        .collect::<Vec<_>>()
+        .join(" ")
+}

@@ -1,0 +1,584 @@
+//! Store URLs: the one parser, and the one place that builds and connects stores.
+//!
+//! Accepted forms (see [`FORMS`]):
+//! - `memory://` — an in-process store, only for `leasehold demo`;
+//! - `redis://[[user]:password@]host[:port][/db][?prefix=P]`, `rediss://…` (TLS);
+//! - `etcd://host:port[,host:port…][?prefix=P]`, `etcds://…` (TLS), user and password as
+//!   `etcd://user:password@host:port,…`;
+//! - `kube://` (the kubeconfig's or the pod's namespace) or `kube://NAMESPACE`.
+//!
+//! A password can also come from the `LEASEHOLD_PASSWORD` environment variable (used when the
+//! URL has none). Secrets never appear in `Debug` output or messages.
+
+use std::fmt;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use leasehold::DynLeaseStore;
+
+use crate::exit::CliError;
+
+/// The accepted forms, for error messages and help texts.
+pub(crate) const FORMS: &str = "\
+accepted store URLs:
+  redis://[[USER]:PASSWORD@]HOST[:PORT][/DB][?prefix=P]
+  rediss://…                    (TLS; --tls-ca, --tls-cert/--tls-key)
+  etcd://[USER:PASSWORD@]HOST:PORT[,HOST:PORT…][?prefix=P]
+  etcds://…                     (TLS; --tls-ca, --tls-cert/--tls-key)
+  kube://[NAMESPACE]            (kubeconfig, or in-cluster service account)
+  memory://                     (leasehold demo only)
+a password may also come from the LEASEHOLD_PASSWORD environment variable";
+
+/// The environment variable a password may come from.
+pub(crate) const PASSWORD_ENV: &str = "LEASEHOLD_PASSWORD";
+
+/// A secret string whose `Debug` is redacted.
+#[derive(Clone, PartialEq, Eq)]
+pub(crate) struct Secret(String);
+
+impl fmt::Debug for Secret {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("\"<redacted>\"")
+    }
+}
+
+/// A parsed store URL.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) enum StoreUrl {
+    /// `memory://`.
+    Memory,
+    /// `redis://` or `rediss://`.
+    Redis {
+        /// The URL for the client, credentials included (never printed).
+        url: Secret,
+        /// The URL with the password replaced by `***`.
+        redacted: String,
+        /// TLS (`rediss://`).
+        tls: bool,
+        /// The key namespace prefix (`?prefix=`).
+        prefix: Option<String>,
+    },
+    /// `etcd://` or `etcds://`.
+    Etcd {
+        /// `https://host:port` or `http://host:port` per endpoint.
+        endpoints: Vec<String>,
+        /// TLS (`etcds://`).
+        tls: bool,
+        /// User name and password.
+        user: Option<(String, Secret)>,
+        /// The key prefix (`?prefix=`).
+        prefix: Option<String>,
+    },
+    /// `kube://[namespace]`.
+    Kube {
+        /// The namespace; `None` takes the client's default.
+        namespace: Option<String>,
+    },
+}
+
+impl StoreUrl {
+    /// The URL as it may be shown (no secrets).
+    pub(crate) fn display(&self) -> String {
+        match self {
+            StoreUrl::Memory => "memory://".into(),
+            StoreUrl::Redis { redacted, .. } => redacted.clone(),
+            StoreUrl::Etcd {
+                endpoints,
+                tls,
+                user,
+                prefix,
+            } => {
+                let hosts: Vec<&str> = endpoints
+                    .iter()
+                    .map(|e| e.split_once("://").map_or(e.as_str(), |(_, h)| h))
+                    .collect();
+                let user = match user {
+                    Some((u, _)) => format!("{u}:***@"),
+                    None => String::new(),
+                };
+                let prefix = match prefix {
+                    Some(p) => format!("?prefix={p}"),
+                    None => String::new(),
+                };
+                format!(
+                    "{}://{user}{}{prefix}",
+                    if *tls { "etcds" } else { "etcd" },
+                    hosts.join(",")
+                )
+            }
+            StoreUrl::Kube { namespace } => {
+                format!("kube://{}", namespace.as_deref().unwrap_or(""))
+            }
+        }
+    }
+}
+
+fn invalid(url_shown: &str, why: impl fmt::Display) -> CliError {
+    CliError::usage(format!("invalid store URL {url_shown:?}: {why}\n{FORMS}"))
+}
+
+/// Parses a store URL; `env_password` is the value of [`PASSWORD_ENV`], if set.
+pub(crate) fn parse(input: &str, env_password: Option<&str>) -> Result<StoreUrl, CliError> {
+    let Some((scheme, rest)) = input.split_once("://") else {
+        return Err(invalid(&redact_loose(input), "it has no scheme"));
+    };
+    match scheme {
+        "memory" => {
+            if rest.is_empty() {
+                Ok(StoreUrl::Memory)
+            } else {
+                Err(invalid(input, "memory:// takes nothing after the scheme"))
+            }
+        }
+        "redis" | "rediss" => parse_redis(input, env_password),
+        "etcd" | "etcds" => parse_etcd(scheme == "etcds", rest, env_password),
+        "kube" => parse_kube(rest),
+        other => Err(invalid(
+            &redact_loose(input),
+            format!("unknown scheme {other:?}"),
+        )),
+    }
+}
+
+/// Replaces whatever sits between `://` and `@` by `***` (for URLs we could not parse).
+fn redact_loose(input: &str) -> String {
+    match (input.find("://"), input.rfind('@')) {
+        (Some(s), Some(a)) if a > s => format!("{}***{}", &input[..s + 3], &input[a..]),
+        _ => input.to_owned(),
+    }
+}
+
+fn parse_redis(input: &str, env_password: Option<&str>) -> Result<StoreUrl, CliError> {
+    let shown = redact_loose(input);
+    let mut url = url::Url::parse(input).map_err(|e| invalid(&shown, e))?;
+    if url.host_str().is_none_or(str::is_empty) {
+        return Err(invalid(&shown, "it has no host"));
+    }
+    let mut prefix = None;
+    for (k, v) in url.query_pairs() {
+        match &*k {
+            "prefix" if !v.is_empty() => prefix = Some(v.into_owned()),
+            _ => {
+                return Err(invalid(
+                    &shown,
+                    format!("unknown query parameter {k:?} (only ?prefix=P is accepted)"),
+                ));
+            }
+        }
+    }
+    url.set_query(None);
+    if url.password().is_none()
+        && let Some(p) = env_password.filter(|p| !p.is_empty())
+        && url.set_password(Some(p)).is_err()
+    {
+        return Err(invalid(&shown, "cannot add the password to this URL"));
+    }
+    let tls = url.scheme() == "rediss";
+    // Validate with the store's own parser now, so that a bad URL is a usage error.
+    let config = leasehold_redis::RedisConfig::new(url.to_string())
+        .map_err(|e| invalid(&shown, leasehold::Error::from(e)))?;
+    Ok(StoreUrl::Redis {
+        redacted: config.redacted_url().to_owned(),
+        url: Secret(url.to_string()),
+        tls,
+        prefix,
+    })
+}
+
+fn parse_etcd(tls: bool, rest: &str, env_password: Option<&str>) -> Result<StoreUrl, CliError> {
+    let scheme = if tls { "etcds" } else { "etcd" };
+    let shown = redact_loose(&format!("{scheme}://{rest}"));
+    let (rest, query) = match rest.split_once('?') {
+        Some((r, q)) => (r, Some(q)),
+        None => (rest, None),
+    };
+    let mut prefix = None;
+    if let Some(q) = query {
+        for (k, v) in url::form_urlencoded::parse(q.as_bytes()) {
+            match &*k {
+                "prefix" if !v.is_empty() => prefix = Some(v.into_owned()),
+                _ => {
+                    return Err(invalid(
+                        &shown,
+                        format!("unknown query parameter {k:?} (only ?prefix=P is accepted)"),
+                    ));
+                }
+            }
+        }
+    }
+    let rest = rest.trim_end_matches('/');
+    let (userinfo, hosts) = match rest.rsplit_once('@') {
+        Some((u, h)) => (Some(u), h),
+        None => (None, rest),
+    };
+    let user = match userinfo {
+        None => None,
+        Some(u) => {
+            let (name, pass) = match u.split_once(':') {
+                Some((n, p)) => (n, Some(p)),
+                None => (u, None),
+            };
+            let name = decode(name);
+            if name.is_empty() {
+                return Err(invalid(&shown, "the user name is empty"));
+            }
+            let pass = match pass.map(decode).filter(|p| !p.is_empty()) {
+                Some(p) => p,
+                None => match env_password.filter(|p| !p.is_empty()) {
+                    Some(p) => p.to_owned(),
+                    None => {
+                        return Err(invalid(
+                            &shown,
+                            format!(
+                                "user {name:?} has no password: put it in the URL or in {PASSWORD_ENV}"
+                            ),
+                        ));
+                    }
+                },
+            };
+            Some((name, Secret(pass)))
+        }
+    };
+    let mut endpoints = Vec::new();
+    for host in hosts.split(',') {
+        let host = host.trim();
+        if host.is_empty() {
+            return Err(invalid(
+                &shown,
+                "an endpoint is empty (write host:port,host:port)",
+            ));
+        }
+        if host.contains('/') {
+            return Err(invalid(
+                &shown,
+                format!("endpoint {host:?} has a path; write host:port"),
+            ));
+        }
+        let Some((h, port)) = host.rsplit_once(':') else {
+            return Err(invalid(
+                &shown,
+                format!("endpoint {host:?} has no port (etcd's is usually 2379)"),
+            ));
+        };
+        if h.is_empty() || port.parse::<u16>().is_err() {
+            return Err(invalid(
+                &shown,
+                format!("endpoint {host:?} is not host:port"),
+            ));
+        }
+        endpoints.push(format!("{}://{host}", if tls { "https" } else { "http" }));
+    }
+    Ok(StoreUrl::Etcd {
+        endpoints,
+        tls,
+        user,
+        prefix,
+    })
+}
+
+fn decode(s: &str) -> String {
+    url::form_urlencoded::parse(format!("x={s}").as_bytes())
+        .next()
+        .map(|(_, v)| v.into_owned())
+        .unwrap_or_default()
+}
+
+fn parse_kube(rest: &str) -> Result<StoreUrl, CliError> {
+    let ns = rest.trim_end_matches('/');
+    if ns.is_empty() {
+        return Ok(StoreUrl::Kube { namespace: None });
+    }
+    let ok = ns.len() <= 63
+        && ns
+            .bytes()
+            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == b'-')
+        && !ns.starts_with('-')
+        && !ns.ends_with('-');
+    if !ok {
+        return Err(invalid(
+            &format!("kube://{rest}"),
+            format!(
+                "{ns:?} is not a Kubernetes namespace name (lower-case letters, digits and '-', at most 63)"
+            ),
+        ));
+    }
+    Ok(StoreUrl::Kube {
+        namespace: Some(ns.to_owned()),
+    })
+}
+
+/// The contents of a PEM file.
+type Pem = Vec<u8>;
+
+/// The CA and the client identity (certificate, key), read from their files.
+type TlsPems = (Option<Pem>, Option<(Pem, Pem)>);
+
+/// TLS files given on the command line.
+#[derive(Clone, Debug, Default)]
+pub(crate) struct TlsFiles {
+    pub(crate) ca: Option<PathBuf>,
+    pub(crate) cert: Option<PathBuf>,
+    pub(crate) key: Option<PathBuf>,
+}
+
+impl TlsFiles {
+    fn is_empty(&self) -> bool {
+        self.ca.is_none() && self.cert.is_none() && self.key.is_none()
+    }
+
+    fn read(&self) -> Result<TlsPems, CliError> {
+        let read = |what: &str, p: &PathBuf| {
+            std::fs::read(p).map_err(|e| {
+                CliError::usage(format!("cannot read the {what} file {}: {e}", p.display()))
+            })
+        };
+        let ca = self.ca.as_ref().map(|p| read("--tls-ca", p)).transpose()?;
+        let identity = match (&self.cert, &self.key) {
+            (Some(c), Some(k)) => Some((read("--tls-cert", c)?, read("--tls-key", k)?)),
+            (None, None) => None,
+            _ => {
+                return Err(CliError::usage(
+                    "--tls-cert and --tls-key go together (a client certificate and its key)",
+                ));
+            }
+        };
+        Ok((ca, identity))
+    }
+}
+
+/// Store timeouts.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Timeouts {
+    /// Bound on one store operation.
+    pub(crate) operation: Duration,
+    /// Bound on connecting.
+    pub(crate) connect: Duration,
+}
+
+/// Builds and connects the store `url` names. Every store construction lives here.
+pub(crate) async fn connect(
+    url: &StoreUrl,
+    tls: &TlsFiles,
+    timeouts: Timeouts,
+) -> Result<DynLeaseStore, CliError> {
+    let shown = url.display();
+    let tls_ok = matches!(
+        url,
+        StoreUrl::Redis { tls: true, .. } | StoreUrl::Etcd { tls: true, .. }
+    );
+    if !tls.is_empty() && !tls_ok {
+        return Err(CliError::usage(format!(
+            "--tls-ca/--tls-cert/--tls-key need a TLS store URL (rediss:// or etcds://), not {shown}"
+        )));
+    }
+    let (ca, identity) = tls.read()?;
+    let fail = |e: leasehold::Error| CliError::store(&format!("cannot connect to {shown}"), e);
+    match url {
+        StoreUrl::Memory => Err(CliError::usage(format!(
+            "memory:// is only for `leasehold demo`: each process would have its own store\n{FORMS}"
+        ))),
+        StoreUrl::Redis { url, prefix, .. } => {
+            let mut config = leasehold_redis::RedisConfig::new(url.0.clone())
+                .map_err(|e| fail(e.into()))?
+                .operation_timeout(timeouts.operation)
+                .connect_timeout(timeouts.connect);
+            if let Some(p) = prefix {
+                config = config.prefix(p.clone()).map_err(|e| fail(e.into()))?;
+            }
+            if let Some(ca) = ca {
+                config = config.tls_root_ca_pem(ca);
+            }
+            if let Some((cert, key)) = identity {
+                config = config.tls_client_cert_pem(cert, key);
+            }
+            let store = leasehold_redis::RedisStore::connect(config)
+                .await
+                .map_err(fail)?;
+            Ok(Arc::new(store))
+        }
+        StoreUrl::Etcd {
+            endpoints,
+            user,
+            prefix,
+            tls: is_tls,
+        } => {
+            let mut config = leasehold_etcd::EtcdConfig::new(endpoints.clone())
+                .with_operation_timeout(timeouts.operation)
+                .with_connect_timeout(timeouts.connect);
+            if let Some(p) = prefix {
+                config = config.with_prefix(p.clone());
+            }
+            if let Some((u, p)) = user {
+                config = config.with_user(u.clone(), p.0.clone());
+            }
+            if *is_tls {
+                let mut t = leasehold_etcd::TlsConfig::new();
+                if let Some(ca) = ca {
+                    t = t.with_ca_pem(ca);
+                }
+                if let Some((cert, key)) = identity {
+                    t = t.with_client_identity_pem(cert, key);
+                }
+                config = config.with_tls(t);
+            }
+            let store = leasehold_etcd::EtcdStore::connect(config)
+                .await
+                .map_err(|e| fail(e.into()))?;
+            Ok(Arc::new(store))
+        }
+        StoreUrl::Kube { namespace } => {
+            let mut config =
+                leasehold_kube::KubeStoreConfig::default().request_timeout(timeouts.operation);
+            if let Some(ns) = namespace {
+                config = config.namespace(ns.clone());
+            }
+            let store = leasehold_kube::KubeStore::from_env(config)
+                .await
+                .map_err(|e| fail(e.into()))?;
+            Ok(Arc::new(store))
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ok(s: &str) -> StoreUrl {
+        parse(s, None).unwrap_or_else(|e| panic!("{s}: {e}"))
+    }
+
+    fn err(s: &str) -> String {
+        match parse(s, None) {
+            Ok(u) => panic!("{s} parsed as {u:?}"),
+            Err(e) => {
+                assert_eq!(e.code, crate::exit::USAGE);
+                e.message
+            }
+        }
+    }
+
+    #[test]
+    fn memory_and_kube() {
+        assert_eq!(ok("memory://"), StoreUrl::Memory);
+        assert_eq!(ok("kube://"), StoreUrl::Kube { namespace: None });
+        assert_eq!(
+            ok("kube://prod-1"),
+            StoreUrl::Kube {
+                namespace: Some("prod-1".into())
+            }
+        );
+        assert!(err("kube://Prod").contains("namespace"));
+        assert!(err("memory://x").contains("memory://"));
+    }
+
+    #[test]
+    fn redis_forms() {
+        match ok("redis://127.0.0.1:6379/2?prefix=app:") {
+            StoreUrl::Redis {
+                tls,
+                prefix,
+                redacted,
+                ..
+            } => {
+                assert!(!tls);
+                assert_eq!(prefix.as_deref(), Some("app:"));
+                assert_eq!(redacted, "redis://127.0.0.1:6379/2");
+            }
+            other => panic!("{other:?}"),
+        }
+        assert!(matches!(
+            ok("rediss://u:p@h:6380"),
+            StoreUrl::Redis { tls: true, .. }
+        ));
+        assert!(err("redis://127.0.0.1/x").contains("database"));
+        assert!(err("redis://h/0?db=1").contains("unknown query parameter"));
+    }
+
+    #[test]
+    fn etcd_forms() {
+        match ok("etcd://a:2379,b:22379?prefix=/app/") {
+            StoreUrl::Etcd {
+                endpoints,
+                tls,
+                user,
+                prefix,
+            } => {
+                assert_eq!(endpoints, ["http://a:2379", "http://b:22379"]);
+                assert!(!tls && user.is_none());
+                assert_eq!(prefix.as_deref(), Some("/app/"));
+            }
+            other => panic!("{other:?}"),
+        }
+        match ok("etcds://root:pw%40x@[::1]:2379") {
+            StoreUrl::Etcd {
+                endpoints, user, ..
+            } => {
+                assert_eq!(endpoints, ["https://[::1]:2379"]);
+                assert_eq!(user, Some(("root".into(), Secret("pw@x".into()))));
+            }
+            other => panic!("{other:?}"),
+        }
+        assert!(err("etcd://a").contains("no port"));
+        assert!(err("etcd://a:2379,").contains("empty"));
+        assert!(err("etcd://a:x").contains("host:port"));
+        assert!(err("etcd://a:2379/path").contains("path"));
+        assert!(err("etcd://root@a:2379").contains(PASSWORD_ENV));
+    }
+
+    #[test]
+    fn password_from_the_environment() {
+        match parse("etcd://root@a:2379", Some("envpw")).expect("parses") {
+            StoreUrl::Etcd { user, .. } => {
+                assert_eq!(user, Some(("root".into(), Secret("envpw".into()))));
+            }
+            other => panic!("{other:?}"),
+        }
+        match parse("redis://h:1/0", Some("envpw")).expect("parses") {
+            StoreUrl::Redis { url, redacted, .. } => {
+                assert_eq!(url.0, "redis://:envpw@h:1/0");
+                assert!(!redacted.contains("envpw"), "{redacted}");
+            }
+            other => panic!("{other:?}"),
+        }
+        // A password in the URL wins.
+        match parse("redis://:urlpw@h:1/0", Some("envpw")).expect("parses") {
+            StoreUrl::Redis { url, .. } => assert_eq!(url.0, "redis://:urlpw@h:1/0"),
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn secrets_are_never_shown() {
+        for s in [
+            "redis://user:hunter2@h:1/0",
+            "rediss://:hunter2@h:1",
+            "etcd://root:hunter2@a:2379",
+            "etcds://root:hunter2@a:2379,b:2379",
+        ] {
+            let u = ok(s);
+            assert!(!format!("{u:?}").contains("hunter2"), "{u:?}");
+            assert!(!u.display().contains("hunter2"), "{}", u.display());
+        }
+        for s in [
+            "redis://user:hunter2@h:1/notadb",
+            "redis://user:hunter2@",
+            "etcd://root:hunter2@a",
+            "ftp://user:hunter2@h",
+            "redis://user:hunter2@h/0?x=1",
+        ] {
+            let e = err(s);
+            assert!(!e.contains("hunter2"), "{e}");
+        }
+    }
+
+    #[test]
+    fn errors_name_the_accepted_forms() {
+        for s in ["ftp://h", "localhost:6379", "etcd://a", "kube://A_B"] {
+            let e = err(s);
+            assert!(e.contains("accepted store URLs"), "{e}");
+            assert!(e.contains("etcd://") && e.contains("kube://"), "{e}");
+        }
+    }
+}
