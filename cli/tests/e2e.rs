@@ -1,0 +1,435 @@
+//! End-to-end tests of the `leasehold` binary: real `leasehold run` processes against real
+//! redis-server and etcd, `status`/`watch`/`release` against Redis, etcd and the Lease API
+//! server, and `/healthz` + `/metrics` over HTTP.
+//!
+//! The children of `leasehold run` are this test binary in child mode (see `cli/mod.rs`).
+//! Measured times are printed (run with `--nocapture` to see them), never asserted against a
+//! threshold.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+#[path = "../../backends/redis/tests/common/mod.rs"]
+mod redis_common;
+
+#[path = "../../backends/etcd/tests/common/mod.rs"]
+mod etcd_common;
+
+#[path = "../../backends/kube/tests/support/mod.rs"]
+mod kube_support;
+
+mod cli;
+
+use std::path::Path;
+use std::process::Command;
+use std::time::Duration;
+
+use cli::*;
+use rustix::process::Signal;
+
+/// Generous bounds for things that must happen (they fail the test only if never).
+const LIMIT: Duration = Duration::from_secs(30);
+
+/// Not a test: the recording child, when this binary is started as one (see `cli/mod.rs`).
+#[test]
+fn child_helper() {
+    child_main();
+}
+
+fn etcd_url(etcd: &etcd_common::Etcd) -> String {
+    let hosts: Vec<String> = etcd
+        .endpoints()
+        .iter()
+        .map(|e| e.trim_start_matches("http://").to_owned())
+        .collect();
+    format!("etcd://{}", hosts.join(","))
+}
+
+fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap()
+}
+
+/// Three `leasehold run` processes: exactly one child at a time; SIGKILL of the leader's
+/// leasehold kills its child at once (parent-death signal) and another child starts; SIGTERM
+/// hands over in order; the child's exit code propagates.
+fn handover_scenario(store: &str, label: &str) {
+    let dir = tempfile::tempdir().unwrap();
+    let log = dir.path().join("children.log");
+    let lease = "e2e-handover";
+    let mut runners: Vec<Runner> = ["a", "b", "c"]
+        .iter()
+        .map(|id| start_runner(dir.path(), store, lease, id, &[]))
+        .collect();
+    let by_id = |runners: &mut Vec<Runner>, id: &str| -> usize {
+        runners.iter().position(|r| r.id == id).unwrap()
+    };
+
+    // 1. One of them leads and runs its child.
+    let (id1, tok1, _, pid1) = wait_until("the first child", LIMIT, || starts(&log).first().cloned());
+
+    // 2. SIGKILL its leasehold: the child dies at once, another child starts after expiry.
+    let i1 = by_id(&mut runners, &id1);
+    let killed_at = mono_ns();
+    kill(runners[i1].pid(), Signal::KILL);
+    let gone_at = wait_until("the killed leasehold's child to die", LIMIT, || {
+        process_gone(pid1).then(mono_ns)
+    });
+    assert_eq!(
+        starts(&log).len(),
+        1,
+        "no other child may start before the killed leasehold's child is gone"
+    );
+    let (id2, tok2, started2, _) =
+        wait_until("a second child", LIMIT, || starts(&log).get(1).cloned());
+    assert_ne!(id2, id1);
+    assert!(tok2 > tok1, "fencing tokens increase");
+
+    // 3. SIGTERM the new leader's leasehold: its child stops, then it releases, and the third
+    // starts.
+    let i2 = by_id(&mut runners, &id2);
+    let term_at = mono_ns();
+    kill(runners[i2].pid(), Signal::TERM);
+    let (id3, tok3, started3, _) =
+        wait_until("a third child", LIMIT, || starts(&log).get(2).cloned());
+    assert!(tok3 > tok2);
+    let status2 = runners[i2].wait(LIMIT);
+    assert_eq!(
+        status2.code(),
+        Some(0),
+        "leasehold exits with its child's code (0 after SIGTERM); stderr:\n{}",
+        runners[i2].stderr_text()
+    );
+    let stop2 = read_log(&log)
+        .into_iter()
+        .find_map(|r| match r {
+            Rec::Stop { token, at, .. } if token == tok2 => Some(at),
+            _ => None,
+        })
+        .expect("the SIGTERMed leader's child recorded its stop");
+
+    // 4. The third child exits with 7 by itself: its leasehold releases and exits with 7.
+    let i3 = by_id(&mut runners, &id3);
+    std::fs::write(dir.path().join(format!("exit-{id3}")), "7").unwrap();
+    let status3 = runners[i3].wait(LIMIT);
+    assert_eq!(
+        status3.code(),
+        Some(7),
+        "stderr:\n{}",
+        runners[i3].stderr_text()
+    );
+    let stderr3 = runners[i3].stderr_text();
+    assert!(stderr3.contains("campaigning for lease"), "{stderr3}");
+    assert!(stderr3.contains("is held by"), "progress while waiting: {stderr3}");
+
+    assert_exclusive(&log, &[(tok1, gone_at)]);
+    println!(
+        "[{label}] SIGKILL of the leader's leasehold: its child was gone after {:.1} ms \
+         (polled every 1 ms); the next child started {:.0} ms after the SIGKILL \
+         (lease 2 s, renew deadline 1.5 s, retry 0.3 s)",
+        ms(killed_at, gone_at),
+        ms(killed_at, started2)
+    );
+    println!(
+        "[{label}] SIGTERM handover: the next child started {:.1} ms after the old child \
+         stopped ({:.1} ms after the SIGTERM)",
+        ms(stop2, started3),
+        ms(term_at, started3)
+    );
+}
+
+#[test]
+fn run_hands_over_on_redis() {
+    let server = redis_common::Server::start();
+    handover_scenario(&server.url(), "redis");
+}
+
+#[test]
+fn run_hands_over_on_etcd() {
+    let rt = runtime();
+    let etcd = rt.block_on(etcd_common::Etcd::start());
+    handover_scenario(&etcd_url(&etcd), "etcd");
+}
+
+/// The leading leasehold and its child are SIGSTOPped past the lease; after SIGCONT the old
+/// child gets SIGTERM (measured with CLOCK_MONOTONIC), and leasehold exits with 75.
+fn pause_scenario(store: &str, label: &str) {
+    let dir = tempfile::tempdir().unwrap();
+    let log = dir.path().join("children.log");
+    let lease = "e2e-pause";
+    let mut runners: Vec<Runner> = ["p", "q"]
+        .iter()
+        .map(|id| start_runner(dir.path(), store, lease, id, &[]))
+        .collect();
+    let (id1, tok1, _, pid1) = wait_until("the first child", LIMIT, || starts(&log).first().cloned());
+    let i1 = runners.iter().position(|r| r.id == id1).unwrap();
+    let stopped_at = mono_ns();
+    kill(runners[i1].pid(), Signal::STOP);
+    kill(pid1, Signal::STOP);
+    let (_, tok2, started2, _) = wait_until("the other child, after the lease expired", LIMIT, || {
+        starts(&log).get(1).cloned()
+    });
+    assert!(tok2 > tok1);
+    std::thread::sleep(Duration::from_millis(200));
+    let resumed_at = mono_ns();
+    kill(pid1, Signal::CONT);
+    kill(runners[i1].pid(), Signal::CONT);
+    let term_at = wait_until("the old child to get SIGTERM after resume", LIMIT, || {
+        read_log(&log).into_iter().find_map(|r| match r {
+            Rec::Term { token, at, .. } if token == tok1 => Some(at),
+            _ => None,
+        })
+    });
+    let status = runners[i1].wait(LIMIT);
+    assert_eq!(
+        status.code(),
+        Some(75),
+        "a lost lease exits with 75; stderr:\n{}",
+        runners[i1].stderr_text()
+    );
+    assert!(
+        runners[i1].stderr_text().contains("the lease was lost"),
+        "{}",
+        runners[i1].stderr_text()
+    );
+    println!(
+        "[{label}] SIGSTOP of the leader (leasehold and child) for {:.0} ms; the other child \
+         started {:.0} ms after the stop; after SIGCONT the old child got SIGTERM within \
+         {:.2} ms (CLOCK_MONOTONIC)",
+        ms(stopped_at, resumed_at),
+        ms(stopped_at, started2),
+        ms(resumed_at, term_at)
+    );
+    drop(runners);
+}
+
+#[test]
+fn run_stops_a_resumed_child_on_redis() {
+    let server = redis_common::Server::start();
+    pause_scenario(&server.url(), "redis");
+}
+
+#[test]
+fn run_stops_a_resumed_child_on_etcd() {
+    let rt = runtime();
+    let etcd = rt.block_on(etcd_common::Etcd::start());
+    pause_scenario(&etcd_url(&etcd), "etcd");
+}
+
+/// Runs `leasehold ARGS` to completion, returning (code, stdout, stderr).
+fn leasehold(args: &[&str], env: &[(&str, &str)]) -> (i32, String, String) {
+    let out = Command::new(leasehold_bin())
+        .args(args)
+        .envs(env.iter().copied())
+        .stdin(std::process::Stdio::null())
+        .output()
+        .expect("run leasehold");
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+fn json_lines(text: &str) -> Vec<serde_json::Value> {
+    text.lines()
+        .filter(|l| !l.trim().is_empty())
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{e}: {l:?}")))
+        .collect()
+}
+
+#[test]
+fn usage_errors_and_unreachable_stores_have_their_exit_codes() {
+    let (code, _, err) = leasehold(
+        &["status", "--store", "ftp://x", "--lease", "a"],
+        &[],
+    );
+    assert_eq!(code, 64, "{err}");
+    assert!(err.contains("accepted store URLs"), "{err}");
+    let port = redis_common::free_port().to_string();
+    let url = format!("redis://127.0.0.1:{port}");
+    let (code, _, err) = leasehold(&["status", "--store", &url, "--lease", "a"], &[]);
+    assert_eq!(code, 69, "{err}");
+    let (code, _, err) = leasehold(&["run", "--store", "memory://", "--lease", "a", "--", "true"], &[]);
+    assert_eq!(code, 64, "{err}");
+    assert!(err.contains("demo"), "{err}");
+    let (code, _, err) = leasehold(&["run", "--lease", "a", "--store", "redis://h", "true"], &[]);
+    assert_eq!(code, 64, "clap errors are usage errors: {err}");
+}
+
+#[test]
+fn help_documents_exit_codes_and_url_forms() {
+    for sub in [&["--help"][..], &["run", "--help"], &["status", "--help"], &["release", "--help"]] {
+        let (code, out, _) = leasehold(sub, &[]);
+        assert_eq!(code, 0);
+        assert!(out.contains("Exit codes:") && out.contains("75"), "{out}");
+        assert!(out.contains("etcd://"), "{out}");
+    }
+    let (_, out, _) = leasehold(&["run", "--help"], &[]);
+    for s in ["LEASEHOLD_FENCING_TOKEN", "SIGTERM", "--grace", "parent-death"] {
+        assert!(out.contains(s), "{s}: {out}");
+    }
+}
+
+fn record(holder: &str, token: u64) -> leasehold::LeaseRecord {
+    leasehold::LeaseRecord {
+        holder_identity: holder.to_owned(),
+        lease_duration: Duration::from_secs(15),
+        acquire_time: Some(std::time::SystemTime::now()),
+        renew_time: Some(std::time::SystemTime::now()),
+        transitions: token,
+    }
+}
+
+/// `status`, `watch` and `release` against `url`, with the record written by `store` (the
+/// same store, reached from the test).
+fn inspect_scenario(
+    rt: &tokio::runtime::Runtime,
+    store: leasehold::DynLeaseStore,
+    url: &str,
+    env: &[(&str, &str)],
+    label: &str,
+) {
+    let lease = "e2e-inspect";
+    let key = leasehold::LeaseKey::new(lease).unwrap();
+    let v1 = rt
+        .block_on(store.create(&key, &record("holder-x", 5)))
+        .unwrap();
+
+    // status, one lease and by prefix.
+    let (code, out, err) = leasehold(&["status", "--store", url, "--lease", lease, "--json"], env);
+    assert_eq!(code, 0, "{err}");
+    let j = &json_lines(&out)[0];
+    assert_eq!(j["holder"], "holder-x", "{j}");
+    assert_eq!(j["fencing_token"], 5, "{j}");
+    assert_eq!(j["exists"], true, "{j}");
+    assert_eq!(j["looks_expired"], false, "{j}");
+    assert_eq!(j["expiry_judged_from"], "record timestamps", "{j}");
+    assert_eq!(j["lease_duration_seconds"], 15.0, "{j}");
+    let (code, out, err) = leasehold(&["status", "--store", url, "--prefix", "e2e-", "--json"], env);
+    assert_eq!(code, 0, "{err}");
+    let leases: Vec<_> = json_lines(&out).into_iter().map(|j| j["lease"].clone()).collect();
+    assert!(leases.contains(&serde_json::json!(lease)), "{out}");
+    let (code, out, err) = leasehold(&["status", "--store", url, "--lease", lease], env);
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("holder-x") && out.contains("held"), "{out}");
+
+    // watch: the current state, then a change of holder.
+    let mut watch = Command::new(leasehold_bin())
+        .args(["watch", "--store", url, "--lease", lease, "--json"])
+        .envs(env.iter().copied())
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::inherit())
+        .spawn()
+        .unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    let stdout = watch.stdout.take().unwrap();
+    let reader = std::thread::spawn(move || {
+        use std::io::BufRead;
+        for line in std::io::BufReader::new(stdout).lines() {
+            let Ok(line) = line else { break };
+            if tx.send(line).is_err() {
+                break;
+            }
+        }
+    });
+    let next = || -> serde_json::Value {
+        let line = rx.recv_timeout(LIMIT).expect("a watch line");
+        serde_json::from_str(&line).unwrap_or_else(|e| panic!("{e}: {line}"))
+    };
+    let first = next();
+    assert_eq!(first["holder"], "holder-x", "{first}");
+    assert_eq!(first["event"], "put", "{first}");
+    rt.block_on(store.update(&key, &record("holder-y", 6), &v1))
+        .unwrap();
+    let second = next();
+    assert_eq!(second["holder"], "holder-y", "{second}");
+    assert_eq!(second["fencing_token"], 6, "{second}");
+
+    // release: refused without a terminal and without --yes; done with --yes.
+    let (code, _, err) = leasehold(&["release", "--store", url, "--lease", lease], env);
+    assert_eq!(code, 64, "{err}");
+    assert!(err.contains("--yes"), "{err}");
+    let (code, out, err) = leasehold(&["release", "--store", url, "--lease", lease, "--yes"], env);
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("released lease"), "{out}");
+    let third = next();
+    assert_eq!(third["holder"], serde_json::Value::Null, "{third}");
+    assert_eq!(third["fencing_token"], 6, "the token is kept: {third}");
+    let (_, out, _) = leasehold(&["status", "--store", url, "--lease", lease, "--json"], env);
+    assert_eq!(json_lines(&out)[0]["holder"], serde_json::Value::Null, "{out}");
+
+    // release --delete removes the record; watch reports it.
+    let (code, out, err) = leasehold(
+        &["release", "--store", url, "--lease", lease, "--yes", "--delete"],
+        env,
+    );
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("deleted lease"), "{out}");
+    let fourth = next();
+    assert_eq!(fourth["event"], "deleted", "{fourth}");
+    let (_, out, _) = leasehold(&["status", "--store", url, "--lease", lease, "--json"], env);
+    assert_eq!(json_lines(&out)[0]["exists"], false, "{out}");
+
+    kill(watch.id(), Signal::TERM);
+    let status = watch.wait().unwrap();
+    assert_eq!(status.code(), Some(0), "watch ends cleanly on SIGTERM");
+    reader.join().unwrap();
+    println!("[{label}] status, watch and release work");
+}
+
+#[test]
+fn status_watch_release_on_redis() {
+    let server = redis_common::Server::start();
+    let rt = runtime();
+    let config = leasehold_redis::RedisConfig::new(server.url()).unwrap();
+    let store = rt
+        .block_on(leasehold_redis::RedisStore::connect(config))
+        .unwrap();
+    inspect_scenario(&rt, std::sync::Arc::new(store), &server.url(), &[], "redis");
+}
+
+#[test]
+fn status_watch_release_on_etcd() {
+    let rt = runtime();
+    let etcd = rt.block_on(etcd_common::Etcd::start());
+    let store = rt
+        .block_on(leasehold_etcd::EtcdStore::connect(etcd.config()))
+        .unwrap();
+    inspect_scenario(&rt, std::sync::Arc::new(store), &etcd_url(&etcd), &[], "etcd");
+}
+
+/// A kubeconfig for the test Lease API server, with the admin token.
+fn kubeconfig(dir: &Path, server: &kube_support::LeaseApiServer) -> std::path::PathBuf {
+    let path = dir.join("kubeconfig");
+    std::fs::write(
+        &path,
+        format!(
+            "apiVersion: v1\nkind: Config\nclusters:\n- name: test\n  cluster:\n    server: {}\n\
+             contexts:\n- name: test\n  context:\n    cluster: test\n    user: test\n    namespace: default\n\
+             current-context: test\nusers:\n- name: test\n  user:\n    token: {}\n",
+            server.url(),
+            kube_support::ADMIN_TOKEN
+        ),
+    )
+    .unwrap();
+    path
+}
+
+#[test]
+fn status_watch_release_on_the_lease_api_server() {
+    let rt = runtime();
+    let server = rt.block_on(kube_support::LeaseApiServer::start());
+    let dir = tempfile::tempdir().unwrap();
+    let config = kubeconfig(dir.path(), &server);
+    let store = {
+        let _guard = rt.enter();
+        kube_support::store(&server)
+    };
+    let url = format!("kube://{}", kube_support::NAMESPACE);
+    let env = [("KUBECONFIG", config.to_str().unwrap())];
+    inspect_scenario(&rt, std::sync::Arc::new(store), &url, &env, "kube");
+    drop(server);
+}
