@@ -67,7 +67,8 @@ fn handover_scenario(store: &str, label: &str) {
     };
 
     // 1. One of them leads and runs its child.
-    let (id1, tok1, _, pid1) = wait_until("the first child", LIMIT, || starts(&log).first().cloned());
+    let (id1, tok1, _, pid1) =
+        wait_until("the first child", LIMIT, || starts(&log).first().cloned());
 
     // 2. SIGKILL its leasehold: the child dies at once, another child starts after expiry.
     let i1 = by_id(&mut runners, &id1);
@@ -121,7 +122,10 @@ fn handover_scenario(store: &str, label: &str) {
     );
     let stderr3 = runners[i3].stderr_text();
     assert!(stderr3.contains("campaigning for lease"), "{stderr3}");
-    assert!(stderr3.contains("is held by"), "progress while waiting: {stderr3}");
+    assert!(
+        stderr3.contains("is held by"),
+        "progress while waiting: {stderr3}"
+    );
 
     assert_exclusive(&log, &[(tok1, gone_at)]);
     println!(
@@ -162,14 +166,16 @@ fn pause_scenario(store: &str, label: &str) {
         .iter()
         .map(|id| start_runner(dir.path(), store, lease, id, &[]))
         .collect();
-    let (id1, tok1, _, pid1) = wait_until("the first child", LIMIT, || starts(&log).first().cloned());
+    let (id1, tok1, _, pid1) =
+        wait_until("the first child", LIMIT, || starts(&log).first().cloned());
     let i1 = runners.iter().position(|r| r.id == id1).unwrap();
     let stopped_at = mono_ns();
     kill(runners[i1].pid(), Signal::STOP);
     kill(pid1, Signal::STOP);
-    let (_, tok2, started2, _) = wait_until("the other child, after the lease expired", LIMIT, || {
-        starts(&log).get(1).cloned()
-    });
+    let (_, tok2, started2, _) =
+        wait_until("the other child, after the lease expired", LIMIT, || {
+            starts(&log).get(1).cloned()
+        });
     assert!(tok2 > tok1);
     std::thread::sleep(Duration::from_millis(200));
     let resumed_at = mono_ns();
@@ -241,34 +247,58 @@ fn json_lines(text: &str) -> Vec<serde_json::Value> {
 
 #[test]
 fn usage_errors_and_unreachable_stores_have_their_exit_codes() {
-    let (code, _, err) = leasehold(
-        &["status", "--store", "ftp://x", "--lease", "a"],
-        &[],
-    );
+    let (code, _, err) = leasehold(&["status", "--store", "ftp://x", "--lease", "a"], &[]);
     assert_eq!(code, 64, "{err}");
     assert!(err.contains("accepted store URLs"), "{err}");
     let port = redis_common::free_port().to_string();
     let url = format!("redis://127.0.0.1:{port}");
     let (code, _, err) = leasehold(&["status", "--store", &url, "--lease", "a"], &[]);
     assert_eq!(code, 69, "{err}");
-    let (code, _, err) = leasehold(&["run", "--store", "memory://", "--lease", "a", "--", "true"], &[]);
+    let (code, _, err) = leasehold(
+        &["run", "--store", "memory://", "--lease", "a", "--", "true"],
+        &[],
+    );
     assert_eq!(code, 64, "{err}");
     assert!(err.contains("demo"), "{err}");
-    let (code, _, err) = leasehold(&["run", "--lease", "a", "--store", "redis://h", "true"], &[]);
+    let (code, _, err) = leasehold(
+        &["run", "--lease", "a", "--store", "redis://h", "true"],
+        &[],
+    );
     assert_eq!(code, 64, "clap errors are usage errors: {err}");
 }
 
 #[test]
 fn help_documents_exit_codes_and_url_forms() {
-    for sub in [&["--help"][..], &["run", "--help"], &["status", "--help"], &["release", "--help"]] {
+    for sub in [
+        &["--help"][..],
+        &["run", "--help"],
+        &["status", "--help"],
+        &["release", "--help"],
+    ] {
         let (code, out, _) = leasehold(sub, &[]);
         assert_eq!(code, 0);
         assert!(out.contains("Exit codes:") && out.contains("75"), "{out}");
         assert!(out.contains("etcd://"), "{out}");
     }
     let (_, out, _) = leasehold(&["run", "--help"], &[]);
-    for s in ["LEASEHOLD_FENCING_TOKEN", "SIGTERM", "--grace", "parent-death"] {
+    for s in [
+        "LEASEHOLD_FENCING_TOKEN",
+        "SIGTERM",
+        "--grace",
+        "parent-death",
+    ] {
         assert!(out.contains(s), "{s}: {out}");
+    }
+}
+
+/// A process killed when the test ends, also when it fails (an orphaned `watch` would hold
+/// the test's output pipe open).
+struct KillOnDrop(std::process::Child);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
     }
 }
 
@@ -307,25 +337,33 @@ fn inspect_scenario(
     assert_eq!(j["looks_expired"], false, "{j}");
     assert_eq!(j["expiry_judged_from"], "record timestamps", "{j}");
     assert_eq!(j["lease_duration_seconds"], 15.0, "{j}");
-    let (code, out, err) = leasehold(&["status", "--store", url, "--prefix", "e2e-", "--json"], env);
+    let (code, out, err) = leasehold(
+        &["status", "--store", url, "--prefix", "e2e-", "--json"],
+        env,
+    );
     assert_eq!(code, 0, "{err}");
-    let leases: Vec<_> = json_lines(&out).into_iter().map(|j| j["lease"].clone()).collect();
+    let leases: Vec<_> = json_lines(&out)
+        .into_iter()
+        .map(|j| j["lease"].clone())
+        .collect();
     assert!(leases.contains(&serde_json::json!(lease)), "{out}");
     let (code, out, err) = leasehold(&["status", "--store", url, "--lease", lease], env);
     assert_eq!(code, 0, "{err}");
     assert!(out.contains("holder-x") && out.contains("held"), "{out}");
 
     // watch: the current state, then a change of holder.
-    let mut watch = Command::new(leasehold_bin())
-        .args(["watch", "--store", url, "--lease", lease, "--json"])
-        .envs(env.iter().copied())
-        .stdin(std::process::Stdio::null())
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::inherit())
-        .spawn()
-        .unwrap();
+    let mut watch = KillOnDrop(
+        Command::new(leasehold_bin())
+            .args(["watch", "--store", url, "--lease", lease, "--json"])
+            .envs(env.iter().copied())
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::inherit())
+            .spawn()
+            .unwrap(),
+    );
     let (tx, rx) = std::sync::mpsc::channel();
-    let stdout = watch.stdout.take().unwrap();
+    let stdout = watch.0.stdout.take().unwrap();
     let reader = std::thread::spawn(move || {
         use std::io::BufRead;
         for line in std::io::BufReader::new(stdout).lines() {
@@ -359,11 +397,17 @@ fn inspect_scenario(
     assert_eq!(third["holder"], serde_json::Value::Null, "{third}");
     assert_eq!(third["fencing_token"], 6, "the token is kept: {third}");
     let (_, out, _) = leasehold(&["status", "--store", url, "--lease", lease, "--json"], env);
-    assert_eq!(json_lines(&out)[0]["holder"], serde_json::Value::Null, "{out}");
+    assert_eq!(
+        json_lines(&out)[0]["holder"],
+        serde_json::Value::Null,
+        "{out}"
+    );
 
     // release --delete removes the record; watch reports it.
     let (code, out, err) = leasehold(
-        &["release", "--store", url, "--lease", lease, "--yes", "--delete"],
+        &[
+            "release", "--store", url, "--lease", lease, "--yes", "--delete",
+        ],
         env,
     );
     assert_eq!(code, 0, "{err}");
@@ -373,8 +417,8 @@ fn inspect_scenario(
     let (_, out, _) = leasehold(&["status", "--store", url, "--lease", lease, "--json"], env);
     assert_eq!(json_lines(&out)[0]["exists"], false, "{out}");
 
-    kill(watch.id(), Signal::TERM);
-    let status = watch.wait().unwrap();
+    kill(watch.0.id(), Signal::TERM);
+    let status = watch.0.wait().unwrap();
     assert_eq!(status.code(), Some(0), "watch ends cleanly on SIGTERM");
     reader.join().unwrap();
     println!("[{label}] status, watch and release work");
@@ -398,7 +442,13 @@ fn status_watch_release_on_etcd() {
     let store = rt
         .block_on(leasehold_etcd::EtcdStore::connect(etcd.config()))
         .unwrap();
-    inspect_scenario(&rt, std::sync::Arc::new(store), &etcd_url(&etcd), &[], "etcd");
+    inspect_scenario(
+        &rt,
+        std::sync::Arc::new(store),
+        &etcd_url(&etcd),
+        &[],
+        "etcd",
+    );
 }
 
 /// A kubeconfig for the test Lease API server, with the admin token.
@@ -432,4 +482,63 @@ fn status_watch_release_on_the_lease_api_server() {
     let env = [("KUBECONFIG", config.to_str().unwrap())];
     inspect_scenario(&rt, std::sync::Arc::new(store), &url, &env, "kube");
     drop(server);
+}
+
+/// `GET path` over plain HTTP/1.1; returns (status code, body).
+fn http_get(addr: &str, path: &str) -> (u16, String) {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(LIMIT)).unwrap();
+    write!(
+        s,
+        "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
+    )
+    .unwrap();
+    let mut text = String::new();
+    s.read_to_string(&mut text).unwrap();
+    let code = text
+        .split_whitespace()
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .unwrap_or(0);
+    let body = text
+        .split_once("\r\n\r\n")
+        .map(|(_, b)| b.to_owned())
+        .unwrap_or_default();
+    (code, body)
+}
+
+#[test]
+fn run_serves_healthz_and_metrics() {
+    let server = redis_common::Server::start();
+    let dir = tempfile::tempdir().unwrap();
+    let log = dir.path().join("children.log");
+    let lease = "e2e-http";
+    let runner = start_runner(
+        dir.path(),
+        &server.url(),
+        lease,
+        "m",
+        &["--http", "127.0.0.1:0"],
+    );
+    let addr = wait_until("the HTTP address on stderr", LIMIT, || {
+        runner
+            .stderr_text()
+            .lines()
+            .find_map(|l| l.split_once("on http://").map(|(_, a)| a.trim().to_owned()))
+    });
+    wait_until("the child", LIMIT, || starts(&log).first().cloned());
+    let (code, body) = http_get(&addr, "/healthz");
+    assert_eq!((code, body.trim()), (200, "ok"));
+    let (code, body) = http_get(&addr, "/metrics");
+    assert_eq!(code, 200, "{body}");
+    for line in [
+        format!("leasehold_command_running{{lease=\"{lease}\"}} 1"),
+        format!("leasehold_command_starts_total{{lease=\"{lease}\"}} 1"),
+    ] {
+        assert!(body.contains(&line), "{line} in:\n{body}");
+    }
+    let (code, _) = http_get(&addr, "/nope");
+    assert_eq!(code, 404);
+    drop(runner);
 }
