@@ -181,6 +181,24 @@ pub enum Error {
         message: String,
     },
 
+    /// The elector's store keeps failing: every operation since `since` ago failed (reported by
+    /// [`Elector::store_health`](crate::Elector::store_health)).
+    #[error(
+        "the {store} store has failed the last {failures} operation(s) of the elector for lease {key:?}, for {since:?}; the last error: {last_error}"
+    )]
+    StoreFailing {
+        /// The lease key.
+        key: String,
+        /// The store's name.
+        store: &'static str,
+        /// How many operations in a row failed.
+        failures: u64,
+        /// Time since the first of them failed.
+        since: Duration,
+        /// The last error's message.
+        last_error: String,
+    },
+
     /// A health check failed: the elector believes it leads but has not renewed in time.
     #[error(
         "elector {identity:?} believes it leads lease {key:?} but its last successful renewal was {since:?} ago (renew deadline {renew_deadline:?})"

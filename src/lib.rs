@@ -39,4 +39,7 @@ pub use elector::{Elector, ElectorConfig, default_identity};
 pub use status::{LeaderStatus, Leadership, StatusCell, StatusChanged, StatusSource, StopCause};
 pub mod tasks;
 pub use tasks::{LeaderContext, run_leader_tasks};
+/// The cancellation token [`run_leader_tasks`] takes, re-exported from `tokio-util` so a first
+/// program needs no extra dependency.
+pub use tokio_util::sync::CancellationToken;
 pub mod k0s;
