@@ -218,6 +218,31 @@ pub enum Error {
 // === impl Error ===
 
 impl Error {
+    /// A short snake-case name of the error's kind (`timeout`, `unavailable`, `conflict`, …),
+    /// stable for metrics labels and scripts.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Error::InvalidKey { .. } => "invalid_key",
+            Error::InvalidConfig(_) => "invalid_config",
+            Error::AlreadyExists { .. } => "already_exists",
+            Error::Conflict { .. } => "conflict",
+            Error::NotFound { .. } => "not_found",
+            Error::Corrupt { .. } => "corrupt",
+            Error::Timeout { .. } => "timeout",
+            Error::Unavailable { .. } => "unavailable",
+            Error::Unauthenticated { .. } => "unauthenticated",
+            Error::PermissionDenied { .. } => "permission_denied",
+            Error::Invalid { .. } => "invalid",
+            Error::Unsupported { .. } => "unsupported",
+            Error::Store { .. } => "store",
+            Error::Shutdown { .. } => "shutdown",
+            Error::NotLeading { .. } => "not_leading",
+            Error::ElectorFailed { .. } => "elector_failed",
+            Error::StoreFailing { .. } => "store_failing",
+            Error::Unhealthy { .. } => "unhealthy",
+        }
+    }
+
     /// Whether the failed operation may be retried as it is (possibly after a backoff).
     ///
     /// Conflicts and `AlreadyExists` are not retryable as they are: the caller must read the

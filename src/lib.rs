@@ -7,6 +7,7 @@
 pub mod codec;
 pub mod error;
 pub mod memory;
+pub mod metrics;
 pub mod store;
 
 #[cfg(feature = "testing")]

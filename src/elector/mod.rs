@@ -325,6 +325,7 @@ struct Shared {
     store_failure: Mutex<Option<StoreFailure>>,
     /// The store's name, for errors.
     store_name: &'static str,
+    metrics: crate::metrics::Metrics,
     /// Cancelled once the background task has finished.
     stopped: CancellationToken,
 }
@@ -353,6 +354,9 @@ fn is_store_failure(e: &Error) -> bool {
 impl Shared {
     /// Records the outcome of a store operation for [`Elector::store_health`].
     fn store_outcome(&self, error: Option<&Error>) {
+        if let Some(e) = error.filter(|e| is_store_failure(e)) {
+            self.metrics.store_error(self.store_name, e);
+        }
         let mut cur = self.store_failure.lock().unwrap_or_else(|e| e.into_inner());
         match error {
             None => *cur = None,
@@ -450,6 +454,7 @@ impl Elector {
                 config.renew_deadline
             )));
         }
+        let metrics = crate::metrics::Metrics::new(config.key.as_str());
         let machine = Machine::new(config, caps.watch, rand::random(), now())?;
         let shared = Arc::new(Shared {
             config: machine.shared_config(),
@@ -459,6 +464,7 @@ impl Elector {
             failed: Mutex::new(None),
             store_failure: Mutex::new(None),
             store_name: store.name(),
+            metrics,
             stopped: CancellationToken::new(),
         });
         let span = tracing::info_span!(
@@ -670,6 +676,7 @@ impl Drop for StopGuard {
             set_validity(&v, Validity::Revoked);
         }
         shared.status.set(LeaderStatus::Stopped);
+        shared.metrics.leading(false);
         shared.commands.close();
         shared.stopped.cancel();
     }
@@ -753,6 +760,7 @@ impl Driver {
                     let id = req.id;
                     let op = req.op;
                     let store_name = self.store_name;
+                    io.request_sent = Some(Instant::now());
                     io.request = Some(Box::pin(async move {
                         let r = tokio::time::timeout_at(deadline, call(store, key, op))
                             .await
@@ -805,12 +813,19 @@ impl Driver {
                         .lock()
                         .unwrap_or_else(|e| e.into_inner()) = Some(l.validity_cell());
                     self.shared.status.set(LeaderStatus::Leading(l.clone()));
+                    self.shared.metrics.leading(true);
+                    self.shared
+                        .metrics
+                        .acquired(io.campaign_since.take().map(|t| t.elapsed()));
                     io.term = Some(l);
                     io.drained = Some(Box::pin(async move {
                         let _ = rx.await;
                     }));
                 }
                 Output::Renewed { valid_until } => {
+                    if let Some(sent) = io.request_sent {
+                        self.shared.metrics.renewed(sent.elapsed());
+                    }
                     if let Some(v) = &*self
                         .shared
                         .validity
@@ -821,6 +836,8 @@ impl Driver {
                     }
                 }
                 Output::TermEnded { cause } => {
+                    self.shared.metrics.leading(false);
+                    io.campaign_since = Some(Instant::now());
                     if let Some(l) = io.term.take() {
                         l.mark_ended(cause);
                     }
@@ -909,7 +926,10 @@ impl Driver {
     #[allow(clippy::manual_async_fn)] // on purpose: see above
     fn drive(mut self) -> impl Future<Output = ()> + Send + 'static {
         async move {
-            let mut io = Io::default();
+            let mut io = Io {
+                campaign_since: Some(Instant::now()),
+                ..Io::default()
+            };
             let mut sleep = Box::pin(tokio::time::sleep_until(Instant::now()));
             loop {
                 self.apply(&mut io);
@@ -938,6 +958,10 @@ impl Driver {
 #[derive(Default)]
 struct Io {
     request: Pending<(RequestId, Result<Reply>)>,
+    /// When the request in flight was sent.
+    request_sent: Option<Instant>,
+    /// When campaigning for the next term started (start-up or the end of a term).
+    campaign_since: Option<Instant>,
     opening: Pending<(WatchId, Result<WatchStream>)>,
     watch: Option<(WatchId, WatchStream)>,
     term: Option<Leadership>,
