@@ -1,82 +1,84 @@
 //! The `metrics` feature: what an elector reports through the `metrics` facade.
 
 use std::sync::Arc;
+use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use leasehold::fault::FaultyStore;
 use leasehold::metrics::names;
 use leasehold::{Elector, ElectorConfig, LeaderStatus, LeaseKey, MemoryStore};
-use metrics_util::CompositeKey;
-use metrics_util::debugging::{DebugValue, DebuggingRecorder};
+use metrics::{Counter, Gauge, Histogram, Key, KeyName, Metadata, Recorder, SharedString, Unit};
+use metrics_util::registry::{AtomicStorage, Registry};
 
-/// Snapshot items: taking a snapshot resets counters, gauges and histograms, so each check
-/// works on one snapshot and counts what happened since the previous one.
-type Items = Vec<(
-    CompositeKey,
-    Option<metrics::Unit>,
-    Option<metrics::SharedString>,
-    DebugValue,
-)>;
+/// A recorder whose values can be read without resetting them.
+struct TestRecorder(Registry<Key, AtomicStorage>);
 
-/// A metric's value in one snapshot.
-enum Value {
-    Counter(u64),
-    Gauge(f64),
-    Histogram(usize),
+impl Recorder for TestRecorder {
+    fn describe_counter(&self, _: KeyName, _: Option<Unit>, _: SharedString) {}
+    fn describe_gauge(&self, _: KeyName, _: Option<Unit>, _: SharedString) {}
+    fn describe_histogram(&self, _: KeyName, _: Option<Unit>, _: SharedString) {}
+    fn register_counter(&self, key: &Key, _: &Metadata<'_>) -> Counter {
+        self.0
+            .get_or_create_counter(key, |c| Counter::from_arc(c.clone()))
+    }
+    fn register_gauge(&self, key: &Key, _: &Metadata<'_>) -> Gauge {
+        self.0
+            .get_or_create_gauge(key, |g| Gauge::from_arc(g.clone()))
+    }
+    fn register_histogram(&self, key: &Key, _: &Metadata<'_>) -> Histogram {
+        self.0
+            .get_or_create_histogram(key, |h| Histogram::from_arc(h.clone()))
+    }
 }
 
-/// The values of metric `name`, with their labels.
-fn values(items: &Items, name: &str) -> Vec<(Vec<(String, String)>, Value)> {
-    items
-        .iter()
-        .filter(|(k, _, _, _)| k.key().name() == name)
-        .map(|(k, _, _, v)| {
-            let labels = k
-                .key()
-                .labels()
-                .map(|l| (l.key().to_owned(), l.value().to_owned()))
-                .collect();
-            let v = match v {
-                DebugValue::Counter(c) => Value::Counter(*c),
-                DebugValue::Gauge(g) => Value::Gauge(g.into_inner()),
-                DebugValue::Histogram(h) => Value::Histogram(h.len()),
-            };
-            (labels, v)
-        })
+fn labels(key: &Key) -> Vec<(String, String)> {
+    key.labels()
+        .map(|l| (l.key().to_owned(), l.value().to_owned()))
         .collect()
 }
 
-fn gauge(snap: &Items, name: &str) -> Option<f64> {
-    values(snap, name).into_iter().find_map(|(_, v)| match v {
-        Value::Gauge(g) => Some(g),
-        _ => None,
-    })
-}
+impl TestRecorder {
+    fn gauge(&self, name: &str) -> Option<f64> {
+        self.0
+            .get_gauge_handles()
+            .into_iter()
+            .find(|(k, _)| k.name() == name)
+            .map(|(_, g)| f64::from_bits(g.load(Ordering::SeqCst)))
+    }
 
-fn counter(snap: &Items, name: &str) -> u64 {
-    values(snap, name)
-        .into_iter()
-        .map(|(_, v)| match v {
-            Value::Counter(c) => c,
-            _ => 0,
-        })
-        .sum()
-}
+    fn counter(&self, name: &str) -> u64 {
+        self.0
+            .get_counter_handles()
+            .into_iter()
+            .filter(|(k, _)| k.name() == name)
+            .map(|(_, c)| c.load(Ordering::SeqCst))
+            .sum()
+    }
 
-fn histogram_len(snap: &Items, name: &str) -> usize {
-    values(snap, name)
-        .into_iter()
-        .map(|(_, v)| match v {
-            Value::Histogram(n) => n,
-            _ => 0,
-        })
-        .sum()
+    /// Each series of counter `name`: its labels and value.
+    fn counters(&self, name: &str) -> Vec<(Vec<(String, String)>, u64)> {
+        self.0
+            .get_counter_handles()
+            .into_iter()
+            .filter(|(k, _)| k.name() == name)
+            .map(|(k, c)| (labels(&k), c.load(Ordering::SeqCst)))
+            .collect()
+    }
+
+    fn histogram_len(&self, name: &str) -> usize {
+        self.0
+            .get_histogram_handles()
+            .into_iter()
+            .filter(|(k, _)| k.name() == name)
+            .map(|(_, h)| h.data().len())
+            .sum()
+    }
 }
 
 #[test]
 fn an_elector_reports_status_transitions_latencies_and_store_errors() {
-    let recorder = DebuggingRecorder::new();
-    let snap = recorder.snapshotter();
+    let recorder = TestRecorder(Registry::atomic());
+    let m = &recorder;
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .start_paused(true)
@@ -98,22 +100,20 @@ fn an_elector_reports_status_transitions_latencies_and_store_errors() {
             rx.wait_for(LeaderStatus::is_leading).await.expect("leads");
             tokio::time::sleep(Duration::from_secs(2)).await;
 
-            let snap1: Items = snap.snapshot().into_vec();
-            assert_eq!(gauge(&snap1, names::LEADER_STATUS), Some(1.0));
-            assert_eq!(counter(&snap1, names::TRANSITIONS), 1);
-            assert_eq!(histogram_len(&snap1, names::ACQUIRE_DURATION), 1);
+            assert_eq!(m.gauge(names::LEADER_STATUS), Some(1.0));
+            assert_eq!(m.counter(names::TRANSITIONS), 1);
+            assert_eq!(m.histogram_len(names::ACQUIRE_DURATION), 1);
             assert!(
-                histogram_len(&snap1, names::RENEW_DURATION) >= 3,
+                m.histogram_len(names::RENEW_DURATION) >= 3,
                 "a renewal every 300 ms"
             );
-            assert_eq!(counter(&snap1, names::STORE_ERRORS), 0);
+            assert_eq!(m.counter(names::STORE_ERRORS), 0);
 
             // The store fails: errors by kind, and the leader steps down.
             faults.set_partitioned(true);
             rx.wait_for(|s| !s.is_leading()).await.expect("steps down");
-            let snap2: Items = snap.snapshot().into_vec();
-            assert_eq!(gauge(&snap2, names::LEADER_STATUS), Some(0.0));
-            let errors = values(&snap2, names::STORE_ERRORS);
+            assert_eq!(m.gauge(names::LEADER_STATUS), Some(0.0));
+            let errors = m.counters(names::STORE_ERRORS);
             assert!(!errors.is_empty(), "store errors are counted");
             for (labels, _) in &errors {
                 assert!(
@@ -131,12 +131,10 @@ fn an_elector_reports_status_transitions_latencies_and_store_errors() {
             rx.wait_for(LeaderStatus::is_leading)
                 .await
                 .expect("leads again");
-            let snap3: Items = snap.snapshot().into_vec();
-            assert_eq!(counter(&snap3, names::TRANSITIONS), 1, "one more term");
-            assert_eq!(gauge(&snap3, names::LEADER_STATUS), Some(1.0));
+            assert_eq!(m.counter(names::TRANSITIONS), 2, "one more term");
+            assert_eq!(m.gauge(names::LEADER_STATUS), Some(1.0));
             elector.shutdown().await.expect("clean");
-            let snap4: Items = snap.snapshot().into_vec();
-            assert_eq!(gauge(&snap4, names::LEADER_STATUS), Some(0.0));
+            assert_eq!(m.gauge(names::LEADER_STATUS), Some(0.0));
         });
     });
 }
