@@ -1,7 +1,4 @@
-//! leasehold: leader election and leases for Rust controllers.
-//!
-//! A generic [`Elector`] owns all timing (acquire, renew, expire, step down, release) over a
-//! pluggable [`LeaseStore`]. See the README for the overview.
+#![doc = include_str!("../README.md")]
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
 pub mod codec;

@@ -129,8 +129,9 @@ async fn validity_passed(l: &Leadership) {
 ///
 /// ```no_run
 /// # async fn demo(elector: leasehold::Elector) {
-/// use tokio_util::sync::CancellationToken;
+/// use leasehold::CancellationToken;
 /// let shutdown = CancellationToken::new();
+/// // A clone of the elector (a cheap handle) can also be moved into `tokio::spawn` with this.
 /// leasehold::run_leader_tasks(shutdown.clone(), &elector, |leader| async move {
 ///     println!("leading with fencing token {}", leader.fencing_token());
 ///     leader.cancelled().await;
