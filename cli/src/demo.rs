@@ -95,6 +95,8 @@ fn start(
                         LeaderStatus::NotLeading { leader } => Event::Following {
                             leader: leader.clone(),
                         },
+                        // Reported as `Released` by the shutdown below.
+                        _ => return false,
                     };
                     let _ = events.send((Instant::now(), name, ev));
                     drop(status);

@@ -8,7 +8,6 @@
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
-use std::sync::Arc;
 
 use bytes::Bytes;
 use http_body_util::Full;
@@ -56,7 +55,7 @@ impl Server {
     }
 
     /// Serves in the background (on the current runtime) for as long as the process lives.
-    pub(crate) fn serve(self, elector: Arc<Elector>) {
+    pub(crate) fn serve(self, elector: Elector) {
         let Server { listener, metrics } = self;
         tokio::spawn(async move {
             loop {

@@ -2,7 +2,6 @@
 
 use std::cell::RefCell;
 use std::process::ExitStatus;
-use std::sync::Arc;
 use std::time::Duration;
 
 use leasehold::{Elector, ElectorConfig, LeaderContext, LeaderStatus, LeaseKey, StopCause};
@@ -111,10 +110,8 @@ pub(crate) async fn run(args: RunArgs) -> Result<u8, CliError> {
         Some(addr) => Some(http::Server::bind(addr).await?),
         None => None,
     };
-    let elector = Arc::new(
-        Elector::spawn(store, config)
-            .map_err(|e| CliError::store("cannot start the elector", e))?,
-    );
+    let elector = Elector::spawn(store, config)
+        .map_err(|e| CliError::store("cannot start the elector", e))?;
     if let Some(server) = metrics {
         let addr = server.local_addr();
         server.serve(elector.clone());
@@ -142,14 +139,14 @@ pub(crate) async fn run(args: RunArgs) -> Result<u8, CliError> {
         elector: &elector,
         lost_grace,
     };
-    let tasks = leasehold::run_leader_tasks(parent.clone(), &*elector, |leader| {
+    let tasks = leasehold::run_leader_tasks(parent.clone(), &elector, |leader| {
         let ctx = &ctx;
         async move { ctx.term(leader).await }
     });
     tokio::select! {
         () = tasks => {}
         () = signals(&state, &parent) => {}
-        () = progress(&elector, &key) => {}
+        () = progress(&elector, &key, args.retry_period) => {}
         () = elector.stopped() => {
             // Not asked to stop: the elector failed.
             parent.cancel();
@@ -221,11 +218,27 @@ async fn signals(state: &State, parent: &CancellationToken) {
     }
 }
 
-/// Reports who holds the lease while waiting, on every change.
-async fn progress(elector: &Elector, key: &LeaseKey) {
+/// Reports who holds the lease while waiting, on every change, and a failing store (checked
+/// every `every`).
+async fn progress(elector: &Elector, key: &LeaseKey, every: Duration) {
     let mut last: Option<Option<String>> = None;
+    let mut failing = false;
     loop {
+        match elector.store_health() {
+            Err(e) if !failing => {
+                failing = true;
+                say(format!("the store is failing: {e}"));
+            }
+            Ok(()) if failing => {
+                failing = false;
+                say("the store answers again");
+            }
+            _ => {}
+        }
         let (status, changed) = elector.current_status();
+        if status.is_stopped() {
+            return std::future::pending().await;
+        }
         if let LeaderStatus::NotLeading { leader } = &status
             && last.as_ref() != Some(leader)
         {
@@ -242,7 +255,7 @@ async fn progress(elector: &Elector, key: &LeaseKey) {
             last = None;
         }
         drop(status);
-        changed.await;
+        let _ = tokio::time::timeout(every, changed).await;
     }
 }
 
@@ -252,7 +265,7 @@ struct TaskCtx<'a> {
     identity: &'a str,
     state: &'a State,
     parent: &'a CancellationToken,
-    elector: &'a Arc<Elector>,
+    elector: &'a Elector,
     lost_grace: Duration,
 }
 

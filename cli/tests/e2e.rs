@@ -530,15 +530,49 @@ fn run_serves_healthz_and_metrics() {
     wait_until("the child", LIMIT, || starts(&log).first().cloned());
     let (code, body) = http_get(&addr, "/healthz");
     assert_eq!((code, body.trim()), (200, "ok"));
-    let (code, body) = http_get(&addr, "/metrics");
-    assert_eq!(code, 200, "{body}");
+    // The library's metrics (feature `metrics`) and the command's own, once a renewal landed.
+    let l = format!("lease=\"{lease}\"");
+    let body = wait_until("a renewal in /metrics", LIMIT, || {
+        let (code, body) = http_get(&addr, "/metrics");
+        assert_eq!(code, 200, "{body}");
+        body.contains(&format!("leasehold_renew_duration_seconds_count{{{l}}}"))
+            .then_some(body)
+    });
     for line in [
-        format!("leasehold_command_running{{lease=\"{lease}\"}} 1"),
-        format!("leasehold_command_starts_total{{lease=\"{lease}\"}} 1"),
+        format!("leasehold_leader_status{{{l}}} 1"),
+        format!("leasehold_leader_transitions_total{{{l}}} 1"),
+        format!("leasehold_acquire_duration_seconds_count{{{l}}} 1"),
+        format!("leasehold_command_running{{{l}}} 1"),
+        format!("leasehold_command_starts_total{{{l}}} 1"),
     ] {
         assert!(body.contains(&line), "{line} in:\n{body}");
     }
+    // A store that stops answering: errors are counted by kind, the term is lost, the command
+    // stopped, and leasehold exits with 75.
+    server.pause();
+    let body = wait_until("a store error in /metrics", LIMIT, || {
+        let (_, body) = http_get(&addr, "/metrics");
+        body.lines()
+            .any(|m| {
+                m.starts_with("leasehold_store_errors_total{")
+                    && m.contains(&l)
+                    && m.contains("store=\"redis\"")
+            })
+            .then_some(body)
+    });
+    assert!(
+        body.contains(&format!("leasehold_leader_status{{{l}}} 0")) || body.contains("kind="),
+        "{body}"
+    );
     let (code, _) = http_get(&addr, "/nope");
     assert_eq!(code, 404);
-    drop(runner);
+    let mut runner = runner;
+    let status = runner.wait(LIMIT);
+    server.resume();
+    assert_eq!(status.code(), Some(75), "{}", runner.stderr_text());
+    assert!(
+        runner.stderr_text().contains("the store is failing"),
+        "{}",
+        runner.stderr_text()
+    );
 }
