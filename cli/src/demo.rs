@@ -136,7 +136,7 @@ struct Timeline {
 impl Timeline {
     fn line(&self, at: Instant, who: &str, what: &str) {
         let ms = at.saturating_duration_since(self.start).as_millis();
-        println!("{:>7} ms  {who:<8} {what}", ms);
+        crate::exit::outln!("{:>7} ms  {who:<8} {what}", ms);
     }
 
     /// Prints events until one candidate other than those in `except` leads; returns it.
@@ -206,7 +206,7 @@ pub(crate) fn demo(args: DemoArgs) -> Result<u8, CliError> {
     let key = LeaseKey::new("demo-lease").map_err(|e| CliError::usage(e.to_string()))?;
     let store = Arc::new(MemoryStore::new());
     let (tx, rx) = mpsc::channel();
-    println!(
+    crate::exit::outln!(
         "leasehold demo: three candidates, one lease {key:?} on the in-process memory store\n\
          timings: lease {}, renew deadline {}, retry period {}\n",
         ms(lease),
@@ -227,36 +227,36 @@ pub(crate) fn demo(args: DemoArgs) -> Result<u8, CliError> {
     drop(tx);
     let limit = lease * 10 + Duration::from_secs(5);
 
-    println!("-- 1. election");
+    crate::exit::outln!("-- 1. election");
     let (t1, first, _) = tl.until_leader(&[], limit)?;
-    println!(
+    crate::exit::outln!(
         "         first leader after {} (a new lease waits one lease duration of absence)\n",
         ms(t1 - tl.start)
     );
     tl.drain(lease / 2);
 
-    println!("-- 2. graceful handover: {first} shuts down");
+    crate::exit::outln!("-- 2. graceful handover: {first} shuts down");
     let asked = Instant::now();
     tl.line(asked, first, "shutting down (ordered release)");
     send(&candidates, first, Cmd::Shutdown);
     let (t2, second, _) = tl.until_leader(&[first], limit)?;
     let handover = t2 - asked;
-    println!("         handover latency: {}\n", ms(handover));
+    crate::exit::outln!("         handover latency: {}\n", ms(handover));
     tl.drain(lease / 2);
 
-    println!("-- 3. crash failover: {second} crashes (nothing released)");
+    crate::exit::outln!("-- 3. crash failover: {second} crashes (nothing released)");
     let crashed = Instant::now();
     tl.line(crashed, second, "CRASHED");
     send(&candidates, second, Cmd::Crash);
     let (t3, third, _) = tl.until_leader(&[first, second], limit)?;
     let failover = t3 - crashed;
-    println!(
+    crate::exit::outln!(
         "         failover latency: {} (bounded by the lease duration, {}, after the last renewal)\n",
         ms(failover),
         ms(lease)
     );
 
-    println!("-- 4. {third} shuts down");
+    crate::exit::outln!("-- 4. {third} shuts down");
     send(&candidates, third, Cmd::Shutdown);
     tl.drain(Duration::from_millis(200));
     for c in candidates {
@@ -264,7 +264,7 @@ pub(crate) fn demo(args: DemoArgs) -> Result<u8, CliError> {
         let _ = c.thread.join();
     }
     tl.drain(Duration::from_millis(10));
-    println!(
+    crate::exit::outln!(
         "\nsummary: graceful handover {}, crash failover {} (lease {})",
         ms(handover),
         ms(failover),

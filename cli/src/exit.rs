@@ -3,6 +3,22 @@
 use std::fmt;
 use std::process::ExitStatus;
 
+/// Prints `line` to stdout and flushes. When stdout is gone (the reader, such as `head`,
+/// exited), leasehold exits quietly with 0 instead of failing.
+pub(crate) fn write_out(line: impl fmt::Display) {
+    use std::io::Write;
+    let mut out = std::io::stdout().lock();
+    if writeln!(out, "{line}").and_then(|()| out.flush()).is_err() {
+        std::process::exit(0);
+    }
+}
+
+/// `println!` that exits quietly when stdout is gone (see [`write_out`]).
+macro_rules! outln {
+    ($($arg:tt)*) => { $crate::exit::write_out(format_args!($($arg)*)) };
+}
+pub(crate) use outln;
+
 /// Every exit code `leasehold` uses besides the child's own, for `--help` and the README.
 pub(crate) const EXIT_CODES_HELP: &str = "\
 Exit codes:

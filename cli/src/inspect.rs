@@ -208,15 +208,14 @@ pub(crate) async fn status(args: StatusArgs) -> Result<u8, CliError> {
         }
         (None, None) => return Err(CliError::usage("give --lease NAME or --prefix P")),
     };
-    let mut out = std::io::stdout().lock();
     if args.json {
         for (lease, v) in &rows {
-            let _ = writeln!(out, "{}", record_json(lease, v.as_ref()));
+            crate::exit::outln!("{}", record_json(lease, v.as_ref()));
         }
     } else if rows.is_empty() {
-        let _ = writeln!(out, "no leases under that prefix on {shown}");
+        crate::exit::outln!("no leases under that prefix on {shown}");
     } else {
-        let _ = write!(out, "{}", table(&rows));
+        crate::exit::outln!("{}", table(&rows).trim_end());
     }
     Ok(0)
 }
@@ -380,9 +379,7 @@ impl Printer {
 }
 
 fn println_flush(line: &str) {
-    let mut out = std::io::stdout().lock();
-    let _ = writeln!(out, "{line}");
-    let _ = out.flush();
+    crate::exit::outln!("{line}");
 }
 
 pub(crate) async fn release(args: ReleaseArgs) -> Result<u8, CliError> {
@@ -400,11 +397,11 @@ pub(crate) async fn release(args: ReleaseArgs) -> Result<u8, CliError> {
         .await
         .map_err(|e| CliError::store(&format!("cannot read lease {key} on {shown}"), e))?;
     let Some(current) = current else {
-        println!("lease {key} has no record on {shown}; nothing to release");
+        crate::exit::outln!("lease {key} has no record on {shown}; nothing to release");
         return Ok(0);
     };
     if current.record.is_vacant() && !args.delete {
-        println!("lease {key} is already vacant; nothing to release");
+        crate::exit::outln!("lease {key} is already vacant; nothing to release");
         return Ok(0);
     }
     let what = if current.record.is_vacant() {
@@ -446,7 +443,7 @@ pub(crate) async fn release(args: ReleaseArgs) -> Result<u8, CliError> {
     };
     match result {
         Ok(()) => {
-            println!(
+            crate::exit::outln!(
                 "{} lease {key} (was {what})",
                 if args.delete { "deleted" } else { "released" }
             );

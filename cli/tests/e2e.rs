@@ -576,3 +576,20 @@ fn run_serves_healthz_and_metrics() {
         runner.stderr_text()
     );
 }
+
+#[test]
+fn demo_shows_a_handover_and_a_crash_failover() {
+    let (code, out, err) = leasehold(&["demo", "--lease-duration", "500ms"], &[]);
+    assert_eq!(code, 0, "{err}");
+    for s in [
+        "graceful handover",
+        "handover latency",
+        "CRASHED",
+        "failover latency",
+        "fencing token 3",
+        "summary:",
+    ] {
+        assert!(out.contains(s), "{s} in:\n{out}");
+    }
+    println!("{out}");
+}
