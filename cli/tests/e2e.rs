@@ -54,13 +54,13 @@ fn runtime() -> tokio::runtime::Runtime {
 /// Three `leasehold run` processes: exactly one child at a time; SIGKILL of the leader's
 /// leasehold kills its child at once (parent-death signal) and another child starts; SIGTERM
 /// hands over in order; the child's exit code propagates.
-fn handover_scenario(store: &str, label: &str) {
+fn handover_scenario(store: &str, env: &[(&str, &str)], label: &str) {
     let dir = tempfile::tempdir().unwrap();
     let log = dir.path().join("children.log");
     let lease = "e2e-handover";
     let mut runners: Vec<Runner> = ["a", "b", "c"]
         .iter()
-        .map(|id| start_runner(dir.path(), store, lease, id, &[]))
+        .map(|id| start_runner_env(dir.path(), store, lease, id, &[], env))
         .collect();
     let by_id = |runners: &mut Vec<Runner>, id: &str| -> usize {
         runners.iter().position(|r| r.id == id).unwrap()
@@ -146,14 +146,44 @@ fn handover_scenario(store: &str, label: &str) {
 #[test]
 fn run_hands_over_on_redis() {
     let server = redis_common::Server::start();
-    handover_scenario(&server.url(), "redis");
+    handover_scenario(&server.url(), &[], "redis");
 }
 
 #[test]
 fn run_hands_over_on_etcd() {
     let rt = runtime();
     let etcd = rt.block_on(etcd_common::Etcd::start());
-    handover_scenario(&etcd_url(&etcd), "etcd");
+    handover_scenario(&etcd_url(&etcd), &[], "etcd");
+}
+
+#[test]
+fn run_hands_over_on_the_lease_api_server() {
+    let rt = runtime();
+    let server = rt.block_on(kube_support::LeaseApiServer::start());
+    let dir = tempfile::tempdir().unwrap();
+    let config = kubeconfig(dir.path(), &server);
+    let url = format!("kube://{}", kube_support::NAMESPACE);
+    handover_scenario(&url, &[("KUBECONFIG", config.to_str().unwrap())], "kube");
+    drop(server);
+}
+
+/// `--restart`: after the child exits by itself, leasehold releases, campaigns again and runs
+/// it again in a new term; SIGTERM then ends it with the child's code.
+#[test]
+fn run_restarts_the_command_with_restart() {
+    let server = redis_common::Server::start();
+    let dir = tempfile::tempdir().unwrap();
+    let log = dir.path().join("children.log");
+    let mut runner = start_runner(dir.path(), &server.url(), "e2e-restart", "r", &["--restart"]);
+    let (_, tok1, _, _) = wait_until("the first child", LIMIT, || starts(&log).first().cloned());
+    std::fs::write(dir.path().join("exit-r"), "3").unwrap();
+    let (_, tok2, _, _) = wait_until("the restarted child", LIMIT, || starts(&log).get(1).cloned());
+    assert!(tok2 > tok1, "a new term: {tok1} then {tok2}");
+    kill(runner.pid(), Signal::TERM);
+    let status = runner.wait(LIMIT);
+    assert_eq!(status.code(), Some(0), "{}", runner.stderr_text());
+    assert_exclusive(&log, &[]);
+    assert!(runner.stderr_text().contains("campaigning again"), "{}", runner.stderr_text());
 }
 
 /// The leading leasehold and its child are SIGSTOPped past the lease; after SIGCONT the old

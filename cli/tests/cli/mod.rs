@@ -12,7 +12,8 @@
 //! - `stop ID TOKEN MONO_NS CODE` right before it exits by itself or after SIGTERM.
 //!
 //! `MONO_NS` is `CLOCK_MONOTONIC` in nanoseconds, comparable with [`mono_ns`] in the test.
-//! It exits by itself with code N once the file `exit-ID` in the log's directory holds N.
+//! It exits by itself with code N once the file `exit-ID` in the log's directory holds N (and
+//! removes the file). After SIGTERM it takes 50 ms to stop, as real programs take a moment.
 #![allow(dead_code, clippy::unwrap_used, clippy::expect_used)]
 
 use std::io::Write;
@@ -75,6 +76,9 @@ pub fn child_main() {
             tokio::select! {
                 _ = term.recv() => {
                     append(&log, &format!("term {id} {token} {}", mono_ns()));
+                    // Take a moment to stop, as real programs do: a leasehold that released
+                    // the lease before its child is gone would show as an overlap.
+                    tokio::time::sleep(Duration::from_millis(50)).await;
                     return term_code;
                 }
                 () = tokio::time::sleep(Duration::from_millis(10)) => {
@@ -85,6 +89,7 @@ pub fn child_main() {
                     if let Ok(c) = std::fs::read_to_string(&exit_file)
                         && let Ok(c) = c.trim().parse::<i32>()
                     {
+                        let _ = std::fs::remove_file(&exit_file);
                         return c;
                     }
                 }
@@ -242,6 +247,18 @@ pub const TIMINGS: [&str; 6] = [
 
 /// Starts `leasehold run --store URL --lease LEASE --identity ID [extra] -- <recording child>`.
 pub fn start_runner(dir: &Path, store: &str, lease: &str, id: &str, extra: &[&str]) -> Runner {
+    start_runner_env(dir, store, lease, id, extra, &[])
+}
+
+/// [`start_runner`] with extra environment variables for `leasehold`.
+pub fn start_runner_env(
+    dir: &Path,
+    store: &str,
+    lease: &str,
+    id: &str,
+    extra: &[&str],
+    env: &[(&str, &str)],
+) -> Runner {
     let stderr = dir.join(format!("leasehold-{id}.stderr"));
     let child = Command::new(leasehold_bin())
         .args(["run", "--store", store, "--lease", lease, "--identity", id])
@@ -252,6 +269,7 @@ pub fn start_runner(dir: &Path, store: &str, lease: &str, id: &str, extra: &[&st
         .args(["child_helper", "--exact", "--nocapture", "--test-threads=1"])
         .env(CHILD_LOG_ENV, dir.join("children.log"))
         .env_remove("RUST_LOG")
+        .envs(env.iter().copied())
         .stdin(Stdio::null())
         .stdout(Stdio::null())
         .stderr(std::fs::File::create(&stderr).unwrap())
