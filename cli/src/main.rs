@@ -6,6 +6,7 @@ mod demo;
 mod exit;
 mod http;
 mod inspect;
+mod refusal;
 mod run;
 mod stores;
 
@@ -284,6 +285,7 @@ fn init_logging() {
     let _ = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .with_target(false)
         .try_init();
 }

@@ -9,7 +9,7 @@ use tokio::signal::unix::{SignalKind, signal};
 use tokio_util::sync::CancellationToken;
 
 use crate::exit::{self, CliError};
-use crate::{RunArgs, child, http, stores};
+use crate::{RunArgs, child, http, refusal, stores};
 
 pub(crate) const LONG_ABOUT: &str = "\
 Campaign for a lease and run a command only while holding it.
@@ -63,6 +63,8 @@ enum Outcome {
 struct State {
     outcome: RefCell<Option<Outcome>>,
     signal: RefCell<Option<i32>>,
+    /// A store failure no retry can fix (credentials rejected, permission denied).
+    fatal: RefCell<Option<CliError>>,
 }
 
 fn say(msg: impl AsRef<str>) {
@@ -96,6 +98,7 @@ pub(crate) async fn run(args: RunArgs) -> Result<u8, CliError> {
     };
     let shown = url.display();
     let store = stores::connect(&url, &args.store.tls(), timeouts).await?;
+    let (store, refusals) = refusal::watch_refusals(store);
     // Fail early, with a clear message, on an unreachable store or missing permissions.
     match store.get(&key).await {
         Ok(_) | Err(leasehold::Error::Corrupt { .. }) => {}
@@ -124,6 +127,7 @@ pub(crate) async fn run(args: RunArgs) -> Result<u8, CliError> {
     let state = State {
         outcome: RefCell::new(None),
         signal: RefCell::new(None),
+        fatal: RefCell::new(None),
     };
     let parent = CancellationToken::new();
     let lost_grace = args
@@ -143,10 +147,25 @@ pub(crate) async fn run(args: RunArgs) -> Result<u8, CliError> {
         let ctx = &ctx;
         async move { ctx.term(leader).await }
     });
+    let mut tasks = std::pin::pin!(tasks);
     tokio::select! {
-        () = tasks => {}
+        () = &mut tasks => {}
         () = signals(&state, &parent) => {}
         () = progress(&elector, &key, args.retry_period) => {}
+        e = refusals.first() => {
+            // The store refuses us for good: stop (in order) and exit.
+            *state.fatal.borrow_mut() = Some(CliError::new(
+                exit::NOPERM,
+                format!(
+                    "the store refuses this candidate: {e} (fix the credentials or grant the \
+                     permission; for Kubernetes: get, list, watch, create and update on leases, \
+                     see backends/kube/deploy/rbac.yaml)"
+                ),
+            ));
+            parent.cancel();
+            // Let the task stop the command, if one runs, before the elector shuts down.
+            run_rest(&mut tasks).await;
+        }
         () = elector.stopped() => {
             // Not asked to stop: the elector failed.
             parent.cancel();
@@ -160,6 +179,9 @@ pub(crate) async fn run(args: RunArgs) -> Result<u8, CliError> {
             exit::SOFTWARE,
             format!("the elector failed: {e}"),
         ));
+    }
+    if let Some(e) = state.fatal.borrow_mut().take() {
+        return Err(e);
     }
     match outcome {
         Some(Outcome::SpawnFailed(e)) => Err(e),
@@ -216,6 +238,11 @@ async fn signals(state: &State, parent: &CancellationToken) {
             ));
         }
     }
+}
+
+/// Awaits the rest of `run_leader_tasks` after its parent token was cancelled.
+async fn run_rest(tasks: &mut std::pin::Pin<&mut impl std::future::Future<Output = ()>>) {
+    tasks.as_mut().await;
 }
 
 /// Reports who holds the lease while waiting, on every change, and a failing store (checked

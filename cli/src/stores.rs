@@ -21,7 +21,7 @@ use crate::exit::CliError;
 
 /// The accepted forms, for error messages and help texts.
 pub(crate) const FORMS: &str = "\
-accepted store URLs:
+Accepted store URLs:
   redis://[[USER]:PASSWORD@]HOST[:PORT][/DB][?prefix=P]
   rediss://…                    (TLS; --tls-ca, --tls-cert/--tls-key)
   etcd://[USER:PASSWORD@]HOST:PORT[,HOST:PORT…][?prefix=P]
@@ -577,7 +577,7 @@ mod tests {
     fn errors_name_the_accepted_forms() {
         for s in ["ftp://h", "localhost:6379", "etcd://a", "kube://A_B"] {
             let e = err(s);
-            assert!(e.contains("accepted store URLs"), "{e}");
+            assert!(e.contains("Accepted store URLs"), "{e}");
             assert!(e.contains("etcd://") && e.contains("kube://"), "{e}");
         }
     }

@@ -174,16 +174,28 @@ fn run_restarts_the_command_with_restart() {
     let server = redis_common::Server::start();
     let dir = tempfile::tempdir().unwrap();
     let log = dir.path().join("children.log");
-    let mut runner = start_runner(dir.path(), &server.url(), "e2e-restart", "r", &["--restart"]);
+    let mut runner = start_runner(
+        dir.path(),
+        &server.url(),
+        "e2e-restart",
+        "r",
+        &["--restart"],
+    );
     let (_, tok1, _, _) = wait_until("the first child", LIMIT, || starts(&log).first().cloned());
     std::fs::write(dir.path().join("exit-r"), "3").unwrap();
-    let (_, tok2, _, _) = wait_until("the restarted child", LIMIT, || starts(&log).get(1).cloned());
+    let (_, tok2, _, _) = wait_until("the restarted child", LIMIT, || {
+        starts(&log).get(1).cloned()
+    });
     assert!(tok2 > tok1, "a new term: {tok1} then {tok2}");
     kill(runner.pid(), Signal::TERM);
     let status = runner.wait(LIMIT);
     assert_eq!(status.code(), Some(0), "{}", runner.stderr_text());
     assert_exclusive(&log, &[]);
-    assert!(runner.stderr_text().contains("campaigning again"), "{}", runner.stderr_text());
+    assert!(
+        runner.stderr_text().contains("campaigning again"),
+        "{}",
+        runner.stderr_text()
+    );
 }
 
 /// The leading leasehold and its child are SIGSTOPped past the lease; after SIGCONT the old
@@ -279,7 +291,7 @@ fn json_lines(text: &str) -> Vec<serde_json::Value> {
 fn usage_errors_and_unreachable_stores_have_their_exit_codes() {
     let (code, _, err) = leasehold(&["status", "--store", "ftp://x", "--lease", "a"], &[]);
     assert_eq!(code, 64, "{err}");
-    assert!(err.contains("accepted store URLs"), "{err}");
+    assert!(err.contains("Accepted store URLs"), "{err}");
     let port = redis_common::free_port().to_string();
     let url = format!("redis://127.0.0.1:{port}");
     let (code, _, err) = leasehold(&["status", "--store", &url, "--lease", "a"], &[]);
@@ -483,7 +495,16 @@ fn status_watch_release_on_etcd() {
 
 /// A kubeconfig for the test Lease API server, with the admin token.
 fn kubeconfig(dir: &Path, server: &kube_support::LeaseApiServer) -> std::path::PathBuf {
-    let path = dir.join("kubeconfig");
+    kubeconfig_with_token(dir, server, kube_support::ADMIN_TOKEN)
+}
+
+/// A kubeconfig for the test Lease API server with `token`.
+fn kubeconfig_with_token(
+    dir: &Path,
+    server: &kube_support::LeaseApiServer,
+    token: &str,
+) -> std::path::PathBuf {
+    let path = dir.join(format!("kubeconfig-{token}"));
     std::fs::write(
         &path,
         format!(
@@ -491,7 +512,7 @@ fn kubeconfig(dir: &Path, server: &kube_support::LeaseApiServer) -> std::path::P
              contexts:\n- name: test\n  context:\n    cluster: test\n    user: test\n    namespace: default\n\
              current-context: test\nusers:\n- name: test\n  user:\n    token: {}\n",
             server.url(),
-            kube_support::ADMIN_TOKEN
+            token
         ),
     )
     .unwrap();
@@ -622,4 +643,36 @@ fn demo_shows_a_handover_and_a_crash_failover() {
         assert!(out.contains(s), "{s} in:\n{out}");
     }
     println!("{out}");
+}
+
+/// Missing RBAC: a token that may read leases but not create or update them. `run` exits with
+/// 77 and says what is missing, instead of waiting forever.
+#[test]
+fn run_exits_on_missing_rbac() {
+    let rt = runtime();
+    let server = rt.block_on(kube_support::LeaseApiServer::start());
+    server.add_token("read-only", "reader", &["get", "list", "watch"]);
+    let dir = tempfile::tempdir().unwrap();
+    let config = kubeconfig_with_token(dir.path(), &server, "read-only");
+    let url = format!("kube://{}", kube_support::NAMESPACE);
+    let mut runner = start_runner_env(
+        dir.path(),
+        &url,
+        "e2e-rbac",
+        "reader",
+        &[],
+        &[("KUBECONFIG", config.to_str().unwrap())],
+    );
+    let status = runner.wait(LIMIT);
+    let err = runner.stderr_text();
+    assert_eq!(status.code(), Some(77), "{err}");
+    assert!(err.contains("forbidden") || err.contains("denied"), "{err}");
+    assert!(starts(&dir.path().join("children.log")).is_empty());
+    // A token that may not even read fails at once, before campaigning.
+    server.add_token("nothing", "nobody", &[]);
+    let config = kubeconfig_with_token(dir.path(), &server, "nothing");
+    let env = [("KUBECONFIG", config.to_str().unwrap())];
+    let (code, _, err) = leasehold(&["status", "--store", &url, "--lease", "e2e-rbac"], &env);
+    assert_eq!(code, 77, "{err}");
+    drop(server);
 }
