@@ -23,7 +23,8 @@ machines shifts it. Electors themselves never use these timestamps.
 
 Output: a table, or with --json one JSON object per lease and line, with the fields lease,
 exists, holder (null when vacant), fencing_token, lease_duration_seconds, acquire_time and
-renew_time (RFC 3339), version, looks_expired and expiry_judged_from.
+renew_time (RFC 3339), version, looks_expired and expiry_judged_from; a key holding data that
+is not a lease record shows as {\"lease\", \"exists\": true, \"corrupt\": REASON}.
 
 Examples:
   leasehold status --store redis://127.0.0.1 --lease report
@@ -190,10 +191,30 @@ pub(crate) async fn status(args: StatusArgs) -> Result<u8, CliError> {
     let rows: Vec<(String, Option<Versioned>)> = match (&args.lease, &args.prefix) {
         (Some(name), _) => {
             let key = key(name)?;
-            let v = store
-                .get(&key)
-                .await
-                .map_err(|e| CliError::store(&format!("cannot read lease {key} on {shown}"), e))?;
+            let v = match store.get(&key).await {
+                Ok(v) => v,
+                Err(leasehold::Error::Corrupt { reason, .. }) => {
+                    if args.json {
+                        crate::exit::outln!(
+                            "{}",
+                            json!({ "lease": key.as_str(), "exists": true, "corrupt": reason })
+                        );
+                    } else {
+                        crate::exit::outln!(
+                            "lease {key} holds data that is not a lease record: {reason}\n\
+                             (candidates treat it as held by an unknown holder and replace it \
+                             after it stayed unchanged for a lease duration)"
+                        );
+                    }
+                    return Ok(0);
+                }
+                Err(e) => {
+                    return Err(CliError::store(
+                        &format!("cannot read lease {key} on {shown}"),
+                        e,
+                    ));
+                }
+            };
             vec![(key.to_string(), v)]
         }
         (None, Some(p)) => {

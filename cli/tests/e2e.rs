@@ -475,6 +475,28 @@ fn status_watch_release_on_redis() {
         .block_on(leasehold_redis::RedisStore::connect(config))
         .unwrap();
     inspect_scenario(&rt, std::sync::Arc::new(store), &server.url(), &[], "redis");
+    // A key holding something that is not a lease record.
+    rt.block_on(redis_common::raw_cmd(
+        &server.url(),
+        redis::cmd("HSET")
+            .arg("{leasehold:}rec:e2e-corrupt")
+            .arg("d")
+            .arg("garbage"),
+    ));
+    let (code, out, err) = leasehold(
+        &[
+            "status",
+            "--store",
+            &server.url(),
+            "--lease",
+            "e2e-corrupt",
+            "--json",
+        ],
+        &[],
+    );
+    assert_eq!(code, 0, "{err}");
+    let j = &json_lines(&out)[0];
+    assert!(j["corrupt"].is_string(), "{j}");
 }
 
 #[test]
