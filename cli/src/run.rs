@@ -72,6 +72,8 @@ fn say(msg: impl AsRef<str>) {
 }
 
 pub(crate) async fn run(args: RunArgs) -> Result<u8, CliError> {
+    // Before anything that takes time: a signal from now on means an ordered stop.
+    let handlers = install_handlers()?;
     let url = args.store.url()?;
     let key = LeaseKey::new(&args.lease).map_err(|e| CliError::usage(e.to_string()))?;
     let identity = args
@@ -100,15 +102,16 @@ pub(crate) async fn run(args: RunArgs) -> Result<u8, CliError> {
     let store = stores::connect(&url, &args.store.tls(), timeouts).await?;
     let (store, refusals) = refusal::watch_refusals(store);
     // Fail early, with a clear message, on an unreachable store or missing permissions.
-    match store.get(&key).await {
-        Ok(_) | Err(leasehold::Error::Corrupt { .. }) => {}
+    let absent = match store.get(&key).await {
+        Ok(v) => v.is_none(),
+        Err(leasehold::Error::Corrupt { .. }) => false,
         Err(e) => {
             return Err(CliError::store(
                 &format!("cannot read lease {key} on {shown}"),
                 e,
             ));
         }
-    }
+    };
     let metrics = match args.http {
         Some(addr) => Some(http::Server::bind(addr).await?),
         None => None,
@@ -123,6 +126,13 @@ pub(crate) async fn run(args: RunArgs) -> Result<u8, CliError> {
     say(format!(
         "campaigning for lease {key} on {shown} as {identity}"
     ));
+    if absent {
+        say(format!(
+            "lease {key} has no record yet: it is created after it stayed absent for one lease \
+             duration ({}; a missing record is no proof that nobody holds it)",
+            humantime::format_duration(args.lease_duration)
+        ));
+    }
 
     let state = State {
         outcome: RefCell::new(None),
@@ -150,7 +160,7 @@ pub(crate) async fn run(args: RunArgs) -> Result<u8, CliError> {
     let mut tasks = std::pin::pin!(tasks);
     tokio::select! {
         () = &mut tasks => {}
-        () = signals(&state, &parent) => {}
+        () = signals(handlers, &state, &parent) => {}
         () = progress(&elector, &key, args.retry_period) => {}
         e = refusals.first() => {
             // The store refuses us for good: stop (in order) and exit.
@@ -207,17 +217,30 @@ pub(crate) async fn run(args: RunArgs) -> Result<u8, CliError> {
     }
 }
 
+/// Handlers for SIGTERM, SIGINT and SIGHUP.
+type Handlers = (
+    tokio::signal::unix::Signal,
+    tokio::signal::unix::Signal,
+    tokio::signal::unix::Signal,
+);
+
+/// Installs the handlers (from then on these signals no longer kill leasehold).
+fn install_handlers() -> Result<Handlers, CliError> {
+    let install = |kind| {
+        signal(kind)
+            .map_err(|e| CliError::new(exit::OSERR, format!("cannot install signal handlers: {e}")))
+    };
+    Ok((
+        install(SignalKind::terminate())?,
+        install(SignalKind::interrupt())?,
+        install(SignalKind::hangup())?,
+    ))
+}
+
 /// Waits for SIGTERM, SIGINT or SIGHUP; the first starts the ordered stop (a second one is only
 /// reported: the grace still applies).
-async fn signals(state: &State, parent: &CancellationToken) {
-    let (Ok(mut term), Ok(mut int), Ok(mut hup)) = (
-        signal(SignalKind::terminate()),
-        signal(SignalKind::interrupt()),
-        signal(SignalKind::hangup()),
-    ) else {
-        say("cannot install signal handlers; SIGTERM will kill leasehold without an ordered stop");
-        return std::future::pending().await;
-    };
+async fn signals(handlers: Handlers, state: &State, parent: &CancellationToken) {
+    let (mut term, mut int, mut hup) = handlers;
     loop {
         let sig = tokio::select! {
             _ = term.recv() => 15,

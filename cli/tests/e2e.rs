@@ -698,3 +698,110 @@ fn run_exits_on_missing_rbac() {
     assert_eq!(code, 77, "{err}");
     drop(server);
 }
+
+/// A CA, a server certificate for 127.0.0.1 and a client certificate, all PEM.
+struct Pki {
+    ca: String,
+    cert: String,
+    key: String,
+    client_cert: String,
+    client_key: String,
+}
+
+fn pki() -> Pki {
+    use rcgen::{
+        BasicConstraints, CertificateParams, CertifiedIssuer, DnType, ExtendedKeyUsagePurpose,
+        IsCa, KeyPair, SanType,
+    };
+    let mut ca_params = CertificateParams::new(Vec::<String>::new()).unwrap();
+    ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    ca_params
+        .distinguished_name
+        .push(DnType::CommonName, "leasehold cli test CA");
+    let ca = CertifiedIssuer::self_signed(ca_params, KeyPair::generate().unwrap()).unwrap();
+    let mut server = CertificateParams::new(vec!["localhost".to_owned()]).unwrap();
+    server
+        .subject_alt_names
+        .push(SanType::IpAddress("127.0.0.1".parse().unwrap()));
+    let key = KeyPair::generate().unwrap();
+    let cert = server.signed_by(&key, &ca).unwrap();
+    let mut client = CertificateParams::new(vec!["leasehold-client".to_owned()]).unwrap();
+    client.extended_key_usages = vec![ExtendedKeyUsagePurpose::ClientAuth];
+    let client_key = KeyPair::generate().unwrap();
+    let client_cert = client.signed_by(&client_key, &ca).unwrap();
+    Pki {
+        ca: ca.pem(),
+        cert: cert.pem(),
+        key: key.serialize_pem(),
+        client_cert: client_cert.pem(),
+        client_key: client_key.serialize_pem(),
+    }
+}
+
+/// `rediss://` with --tls-ca, a client certificate (mutual TLS) and a password from
+/// LEASEHOLD_PASSWORD; a wrong password exits 77 without printing it.
+#[test]
+fn tls_flags_and_passwords_on_rediss() {
+    let pki = pki();
+    let dir = tempfile::tempdir().unwrap();
+    let file = |name: &str, text: &str| {
+        let p = dir.path().join(name);
+        std::fs::write(&p, text).unwrap();
+        p.display().to_string()
+    };
+    let (ca, cert, key) = (
+        file("ca.pem", &pki.ca),
+        file("server.pem", &pki.cert),
+        file("server.key", &pki.key),
+    );
+    let (client_cert, client_key) = (
+        file("client.pem", &pki.client_cert),
+        file("client.key", &pki.client_key),
+    );
+    let server = redis_common::Server::start_with(
+        &[
+            "--tls-cert-file",
+            &cert,
+            "--tls-key-file",
+            &key,
+            "--tls-ca-cert-file",
+            &ca,
+            "--tls-auth-clients",
+            "yes",
+            "--requirepass",
+            "s3cret-horse",
+        ],
+        true,
+    );
+    let url = server.url();
+    assert!(url.starts_with("rediss://"));
+    let tls = [
+        "--tls-ca",
+        ca.as_str(),
+        "--tls-cert",
+        client_cert.as_str(),
+        "--tls-key",
+        client_key.as_str(),
+    ];
+    let status = |url: &str, tls: &[&str], env: &[(&str, &str)]| {
+        let mut args = vec!["status", "--store", url, "--lease", "tls-lease", "--json"];
+        args.extend_from_slice(tls);
+        leasehold(&args, env)
+    };
+    let (code, out, err) = status(&url, &tls, &[("LEASEHOLD_PASSWORD", "s3cret-horse")]);
+    assert_eq!(code, 0, "{err}");
+    assert_eq!(json_lines(&out)[0]["exists"], false, "{out}");
+    let with_pw = url.replacen("rediss://", "rediss://:s3cret-horse@", 1);
+    let (code, _, err) = status(&with_pw, &tls, &[]);
+    assert_eq!(code, 0, "the password in the URL: {err}");
+    let (code, _, err) = status(&url, &tls, &[("LEASEHOLD_PASSWORD", "wrong-horse")]);
+    assert_eq!(code, 77, "{err}");
+    assert!(!err.contains("wrong-horse"), "the password leaked: {err}");
+    let (code, _, err) = status(&url, &tls[..2], &[("LEASEHOLD_PASSWORD", "s3cret-horse")]);
+    assert_ne!(
+        code, 0,
+        "without a client certificate the server refuses: {err}"
+    );
+    let (code, _, err) = status("redis://127.0.0.1:1", &tls, &[]);
+    assert_eq!(code, 64, "TLS flags need a TLS URL: {err}");
+}
