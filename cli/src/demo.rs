@@ -139,6 +139,33 @@ impl Timeline {
         crate::exit::outln!("{:>7} ms  {who:<8} {what}", ms);
     }
 
+    fn print(&self, at: Instant, who: &str, ev: &Event) {
+        match ev {
+            Event::Leading { token } => {
+                self.line(at, who, &format!("LEADS  (fencing token {token})"));
+            }
+            Event::Following { leader: Some(l) } => self.line(at, who, &format!("follows {l}")),
+            Event::Following { leader: None } => {
+                self.line(at, who, "campaigning (no live leader known)");
+            }
+            Event::Released => self.line(at, who, "released the lease and stopped"),
+        }
+    }
+
+    /// The next events, in the order they happened: the threads report concurrently, so what
+    /// arrives within a few milliseconds of the first is sorted by its time stamp.
+    fn batch(&self, deadline: Instant) -> Option<Vec<(Instant, &'static str, Event)>> {
+        let first = self
+            .events
+            .recv_timeout(deadline.saturating_duration_since(Instant::now()))
+            .ok()?;
+        thread::sleep(Duration::from_millis(5));
+        let mut batch = vec![first];
+        batch.extend(self.events.try_iter());
+        batch.sort_by_key(|(at, _, _)| *at);
+        Some(batch)
+    }
+
     /// Prints events until one candidate other than those in `except` leads; returns it.
     fn until_leader(
         &self,
@@ -147,44 +174,31 @@ impl Timeline {
     ) -> Result<(Instant, &'static str, u64), CliError> {
         let deadline = Instant::now() + limit;
         loop {
-            let left = deadline.saturating_duration_since(Instant::now());
-            let (at, who, ev) = self.events.recv_timeout(left).map_err(|_| {
+            let batch = self.batch(deadline).ok_or_else(|| {
                 CliError::new(exit::SOFTWARE, "demo: no new leader in time (a bug?)")
             })?;
-            match ev {
-                Event::Leading { token } => {
-                    self.line(at, who, &format!("LEADS  (fencing token {token})"));
-                    if !except.contains(&who) {
-                        return Ok((at, who, token));
-                    }
+            let mut found = None;
+            for (at, who, ev) in &batch {
+                self.print(*at, who, ev);
+                if let Event::Leading { token } = ev
+                    && !except.contains(who)
+                    && found.is_none()
+                {
+                    found = Some((*at, *who, *token));
                 }
-                Event::Following { leader: Some(l) } => {
-                    self.line(at, who, &format!("follows {l}"));
-                }
-                Event::Following { leader: None } => {
-                    self.line(at, who, "campaigning (no live leader known)");
-                }
-                Event::Released => self.line(at, who, "released the lease and stopped"),
+            }
+            if let Some(f) = found {
+                return Ok(f);
             }
         }
     }
 
-    /// Prints whatever arrived meanwhile.
+    /// Prints whatever arrives for `for_`.
     fn drain(&self, for_: Duration) {
         let deadline = Instant::now() + for_;
-        while let Ok((at, who, ev)) = self
-            .events
-            .recv_timeout(deadline.saturating_duration_since(Instant::now()))
-        {
-            match ev {
-                Event::Leading { token } => {
-                    self.line(at, who, &format!("LEADS  (fencing token {token})"));
-                }
-                Event::Following { leader: Some(l) } => self.line(at, who, &format!("follows {l}")),
-                Event::Following { leader: None } => {
-                    self.line(at, who, "campaigning (no live leader known)");
-                }
-                Event::Released => self.line(at, who, "released the lease and stopped"),
+        while let Some(batch) = self.batch(deadline) {
+            for (at, who, ev) in &batch {
+                self.print(*at, who, ev);
             }
         }
     }
