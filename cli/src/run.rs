@@ -385,11 +385,14 @@ impl TaskCtx<'_> {
         http::command_running(self.key, false);
         let lost = matches!(outcome, Outcome::Lost(_));
         let exited = matches!(outcome, Outcome::Exited(_));
-        *self.state.outcome.borrow_mut() = Some(outcome);
         if !self.args.restart || self.parent.is_cancelled() {
+            *self.state.outcome.borrow_mut() = Some(outcome);
             self.parent.cancel();
             return;
         }
+        // Campaigning again: a signal from now until the next command starts ends leasehold
+        // with 128 + the signal, as while campaigning at first.
+        *self.state.outcome.borrow_mut() = None;
         if lost {
             say(format!("campaigning again for lease {}", self.key));
         } else if exited {
