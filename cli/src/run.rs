@@ -177,8 +177,9 @@ pub(crate) async fn run(args: RunArgs) -> Result<u8, CliError> {
             run_rest(&mut tasks).await;
         }
         () = elector.stopped() => {
-            // Not asked to stop: the elector failed.
+            // Not asked to stop: the elector failed. Stop the command, if one runs.
             parent.cancel();
+            run_rest(&mut tasks).await;
         }
     }
     let shutdown = elector.shutdown().await;
