@@ -66,8 +66,8 @@ impl Server {
                 let elector = elector.clone();
                 let metrics = metrics.clone();
                 tokio::spawn(async move {
-                    let svc = service_fn(move |req| {
-                        let r = respond(&req, &elector, &metrics);
+                    let svc = service_fn(move |req: Request<Incoming>| {
+                        let r = respond(req.method(), req.uri().path(), &elector, &metrics);
                         async move { Ok::<_, Infallible>(r) }
                     });
                     let _ = http1::Builder::new()
@@ -90,18 +90,16 @@ fn text(status: StatusCode, body: String) -> Response<Full<Bytes>> {
 }
 
 fn respond(
-    req: &Request<Incoming>,
+    method: &Method,
+    path: &str,
     elector: &Elector,
     metrics: &PrometheusHandle,
 ) -> Response<Full<Bytes>> {
-    if req.method() != Method::GET {
+    if method != Method::GET {
         return text(StatusCode::METHOD_NOT_ALLOWED, "only GET\n".into());
     }
-    match req.uri().path() {
-        "/healthz" => match elector.check_health() {
-            Ok(()) => text(StatusCode::OK, "ok\n".into()),
-            Err(e) => text(StatusCode::INTERNAL_SERVER_ERROR, format!("{e}\n")),
-        },
+    match path {
+        "/healthz" => healthz(elector.check_health()),
         "/metrics" => {
             metrics.run_upkeep();
             let mut r = text(StatusCode::OK, metrics.render());
@@ -118,6 +116,14 @@ fn respond(
     }
 }
 
+/// `/healthz`: 200 `ok`, or 500 with the reason.
+fn healthz(health: leasehold::Result<()>) -> Response<Full<Bytes>> {
+    match health {
+        Ok(()) => text(StatusCode::OK, "ok\n".into()),
+        Err(e) => text(StatusCode::INTERNAL_SERVER_ERROR, format!("{e}\n")),
+    }
+}
+
 /// Records whether the command runs (no-op without an installed recorder).
 pub(crate) fn command_running(key: &LeaseKey, running: bool) {
     let lease = key.to_string();
@@ -128,5 +134,24 @@ pub(crate) fn command_running(key: &LeaseKey, running: bool) {
     });
     if running {
         metrics::counter!("leasehold_command_starts_total", "lease" => lease).increment(1);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_unhealthy_elector_answers_500_with_the_reason() {
+        let r = healthz(Err(leasehold::Error::Unhealthy {
+            key: "k".into(),
+            identity: "me".into(),
+            since: std::time::Duration::from_secs(12),
+            renew_deadline: std::time::Duration::from_secs(10),
+        }));
+        assert_eq!(r.status(), StatusCode::INTERNAL_SERVER_ERROR);
+        let body = format!("{:?}", r.body());
+        assert!(body.contains("believes it leads"), "{body}");
+        assert_eq!(healthz(Ok(())).status(), StatusCode::OK);
     }
 }
