@@ -278,10 +278,11 @@ fn main() -> ExitCode {
     }
 }
 
-/// Logs from the library go to stderr, `warn` and above unless `RUST_LOG` says otherwise.
+/// Logs from the library go to stderr, `warn` and above unless `RUST_LOG` says otherwise
+/// (kube-rs's own request errors are left out: leasehold reports them itself).
 fn init_logging() {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn,kube_client=off"));
     let _ = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)

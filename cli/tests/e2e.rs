@@ -296,6 +296,27 @@ fn usage_errors_and_unreachable_stores_have_their_exit_codes() {
     let url = format!("redis://127.0.0.1:{port}");
     let (code, _, err) = leasehold(&["status", "--store", &url, "--lease", "a"], &[]);
     assert_eq!(code, 69, "{err}");
+    let url = format!("etcd://127.0.0.1:{port}");
+    let (code, _, err) = leasehold(&["status", "--store", &url, "--lease", "a"], &[]);
+    assert_eq!(code, 69, "{err}");
+    let dir = tempfile::tempdir().unwrap();
+    let kubeconfig = dir.path().join("kubeconfig");
+    std::fs::write(
+        &kubeconfig,
+        format!(
+            "apiVersion: v1\nkind: Config\nclusters:\n- name: t\n  cluster:\n    server: http://127.0.0.1:{port}\n\
+             contexts:\n- name: t\n  context:\n    cluster: t\n    user: t\ncurrent-context: t\n\
+             users:\n- name: t\n  user:\n    token: x\n"
+        ),
+    )
+    .unwrap();
+    let env = [("KUBECONFIG", kubeconfig.to_str().unwrap())];
+    let (code, _, err) = leasehold(
+        &["status", "--store", "kube://default", "--lease", "a"],
+        &env,
+    );
+    assert_eq!(code, 69, "{err}");
+    assert!(err.contains("unavailable"), "{err}");
     let (code, _, err) = leasehold(
         &["run", "--store", "memory://", "--lease", "a", "--", "true"],
         &[],
