@@ -7,13 +7,24 @@ use leasehold::{LeaseKey, Version};
 
 use crate::STORE_NAME;
 
-/// What can go wrong while setting up a [`KubeStore`](crate::KubeStore). Errors of store
-/// operations are [`leasehold::Error`]s.
+/// What can go wrong while configuring and connecting a [`KubeStore`](crate::KubeStore).
+///
+/// Errors of store operations are [`leasehold::Error`]s. This type converts into one with
+/// `From`: [`Error::Connect`] into the error it carries, every other variant into
+/// [`leasehold::Error::InvalidConfig`] with its message.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {
-    /// No Kubernetes client configuration could be found (no kubeconfig, not in a cluster).
-    #[error("cannot build a Kubernetes client from the environment: {0}")]
+    /// No Kubernetes client configuration could be found: no kubeconfig (`KUBECONFIG`,
+    /// `~/.kube/config`) and not in a cluster.
+    #[error(
+        "cannot find a Kubernetes client configuration (set KUBECONFIG, create ~/.kube/config, \
+         or run in a pod with a service account): {0}"
+    )]
+    Kubeconfig(#[source] kube::config::InferConfigError),
+
+    /// No Kubernetes client could be built from the configuration.
+    #[error("cannot build a Kubernetes client from the configuration: {0}")]
     Client(#[source] kube::Error),
 
     /// A configuration value was out of range.
@@ -29,19 +40,21 @@ pub enum Error {
         /// The rule it breaks.
         rule: &'static str,
     },
+
+    /// Reaching the API server failed at connect: [`leasehold::Error::Unavailable`] naming the
+    /// server (not reachable, or no answer in time), [`leasehold::Error::Unauthenticated`]
+    /// (credentials refused) or [`leasehold::Error::PermissionDenied`] naming the missing RBAC
+    /// verb.
+    #[error(transparent)]
+    Connect(leasehold::Error),
 }
 
 impl From<Error> for leasehold::Error {
     fn from(e: Error) -> Self {
         match e {
+            Error::Connect(e) => e,
             Error::InvalidConfig(msg) => leasehold::Error::InvalidConfig(msg),
-            e @ Error::InvalidNamespace { .. } => leasehold::Error::InvalidConfig(e.to_string()),
-            Error::Client(source) => leasehold::Error::Store {
-                store: STORE_NAME,
-                message: format!("cannot build a Kubernetes client from the environment: {source}"),
-                retryable: false,
-                source: Some(Box::new(source)),
-            },
+            other => leasehold::Error::InvalidConfig(other.to_string()),
         }
     }
 }

@@ -115,10 +115,10 @@ impl Watcher {
     async fn relist(&mut self) -> Result<()> {
         let params = ListParams::default().fields(&self.selector());
         let list =
-            match tokio::time::timeout(self.inner.request_timeout, self.inner.api.list(&params))
+            match tokio::time::timeout(self.inner.operation_timeout, self.inner.api.list(&params))
                 .await
             {
-                Err(_) => return Err(timeout(Op::List, self.inner.request_timeout)),
+                Err(_) => return Err(timeout(Op::List, self.inner.operation_timeout)),
                 Ok(Err(e)) => return Err(map_kube(e, &self.ctx(Op::List))),
                 Ok(Ok(list)) => list,
             };
@@ -188,8 +188,8 @@ impl Watcher {
         // server.
         for attempt in 0..2 {
             let fut = self.inner.api.watch(&params, &self.resume_from);
-            match tokio::time::timeout(self.inner.request_timeout, fut).await {
-                Err(_) => return Err(timeout(Op::Watch, self.inner.request_timeout)),
+            match tokio::time::timeout(self.inner.operation_timeout, fut).await {
+                Err(_) => return Err(timeout(Op::Watch, self.inner.operation_timeout)),
                 Ok(Err(kube::Error::Api(status))) if is_gone(&status) && attempt == 0 => {
                     // Some servers answer an expired resourceVersion with HTTP 410 directly.
                     self.relist().await?;
@@ -257,7 +257,7 @@ impl Watcher {
                     return self.fail(e);
                 }
             }
-            let idle = self.inner.watch_timeout + self.inner.request_timeout;
+            let idle = self.inner.watch_timeout + self.inner.operation_timeout;
             let Some(stream) = self.stream.as_mut() else {
                 continue;
             };
