@@ -107,3 +107,8 @@ pub use store::{EtcdStore, revision};
 
 /// The store's name in errors and logs.
 pub(crate) const STORE: &str = "etcd";
+
+/// The README's code blocks, compiled as doctests (not part of the API).
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+struct ReadmeDoctests;

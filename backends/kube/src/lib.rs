@@ -172,7 +172,7 @@ impl KubeConfig {
 
     /// The bound on every store operation (default 4 s), all its requests included; a slower
     /// one fails with a retryable [`leasehold::Error::Timeout`]. The store reports it in its
-    /// [`Capabilities`](leasehold::Capabilities), and [`leasehold::Elector::spawn`] refuses a
+    /// [`Capabilities`], and [`leasehold::Elector::spawn`] refuses a
     /// `renew_deadline` that is not longer. `list` bounds each page by it.
     pub fn with_operation_timeout(mut self, timeout: Duration) -> Self {
         self.operation_timeout = timeout;
@@ -899,3 +899,8 @@ mod tests {
         }
     }
 }
+
+/// The README's code blocks, compiled as doctests (not part of the API).
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+struct ReadmeDoctests;

@@ -136,3 +136,8 @@ pub use store::{REBUILD_AFTER_TIMEOUTS, RedisStore};
 
 /// The store's name in errors and logs.
 pub const STORE: &str = "redis";
+
+/// The README's code blocks, compiled as doctests (not part of the API).
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+struct ReadmeDoctests;
