@@ -181,6 +181,24 @@ pub enum Error {
         message: String,
     },
 
+    /// The elector's store keeps failing: every operation since `since` ago failed (reported by
+    /// [`Elector::store_health`](crate::Elector::store_health)).
+    #[error(
+        "the {store} store has failed the last {failures} operation(s) of the elector for lease {key:?}, for {since:?}; the last error: {last_error}"
+    )]
+    StoreFailing {
+        /// The lease key.
+        key: String,
+        /// The store's name.
+        store: &'static str,
+        /// How many operations in a row failed.
+        failures: u64,
+        /// Time since the first of them failed.
+        since: Duration,
+        /// The last error's message.
+        last_error: String,
+    },
+
     /// A health check failed: the elector believes it leads but has not renewed in time.
     #[error(
         "elector {identity:?} believes it leads lease {key:?} but its last successful renewal was {since:?} ago (renew deadline {renew_deadline:?})"
@@ -200,6 +218,31 @@ pub enum Error {
 // === impl Error ===
 
 impl Error {
+    /// A short snake-case name of the error's kind (`timeout`, `unavailable`, `conflict`, …),
+    /// stable for metrics labels and scripts.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Error::InvalidKey { .. } => "invalid_key",
+            Error::InvalidConfig(_) => "invalid_config",
+            Error::AlreadyExists { .. } => "already_exists",
+            Error::Conflict { .. } => "conflict",
+            Error::NotFound { .. } => "not_found",
+            Error::Corrupt { .. } => "corrupt",
+            Error::Timeout { .. } => "timeout",
+            Error::Unavailable { .. } => "unavailable",
+            Error::Unauthenticated { .. } => "unauthenticated",
+            Error::PermissionDenied { .. } => "permission_denied",
+            Error::Invalid { .. } => "invalid",
+            Error::Unsupported { .. } => "unsupported",
+            Error::Store { .. } => "store",
+            Error::Shutdown { .. } => "shutdown",
+            Error::NotLeading { .. } => "not_leading",
+            Error::ElectorFailed { .. } => "elector_failed",
+            Error::StoreFailing { .. } => "store_failing",
+            Error::Unhealthy { .. } => "unhealthy",
+        }
+    }
+
     /// Whether the failed operation may be retried as it is (possibly after a backoff).
     ///
     /// Conflicts and `AlreadyExists` are not retryable as they are: the caller must read the

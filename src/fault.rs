@@ -143,6 +143,7 @@ impl Faults {
 pub struct FaultyStore {
     inner: DynLeaseStore,
     faults: Faults,
+    capabilities: Option<Capabilities>,
 }
 
 // === impl FaultyStore ===
@@ -153,7 +154,15 @@ impl FaultyStore {
         FaultyStore {
             inner,
             faults: Faults::new(),
+            capabilities: None,
         }
+    }
+
+    /// Reports `capabilities` instead of the wrapped store's (to test how the elector reacts
+    /// to them).
+    pub fn with_capabilities(mut self, capabilities: Capabilities) -> Self {
+        self.capabilities = Some(capabilities);
+        self
     }
 
     /// This handle's fault controls.
@@ -173,7 +182,8 @@ impl LeaseStore for FaultyStore {
         self.inner.name()
     }
     fn capabilities(&self) -> Capabilities {
-        self.inner.capabilities()
+        self.capabilities
+            .unwrap_or_else(|| self.inner.capabilities())
     }
     async fn get(&self, key: &LeaseKey) -> Result<Option<Versioned>> {
         self.faults.before(self.name(), "get").await?;

@@ -1,12 +1,10 @@
-//! leasehold: leader election and leases for Rust controllers.
-//!
-//! A generic [`Elector`] owns all timing (acquire, renew, expire, step down, release) over a
-//! pluggable [`LeaseStore`]. See the README for the overview.
+#![doc = include_str!("../README.md")]
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
 pub mod codec;
 pub mod error;
 pub mod memory;
+pub mod metrics;
 pub mod store;
 
 #[cfg(feature = "testing")]
@@ -39,4 +37,7 @@ pub use elector::{Elector, ElectorConfig, default_identity};
 pub use status::{LeaderStatus, Leadership, StatusCell, StatusChanged, StatusSource, StopCause};
 pub mod tasks;
 pub use tasks::{LeaderContext, run_leader_tasks};
+/// The cancellation token [`run_leader_tasks`] takes, re-exported from `tokio-util` so a first
+/// program needs no extra dependency.
+pub use tokio_util::sync::CancellationToken;
 pub mod k0s;

@@ -265,6 +265,11 @@ pub enum LeaderStatus {
     },
     /// This elector leads.
     Leading(Leadership),
+    /// The elector has stopped (it was shut down, every handle was dropped, its runtime went
+    /// away, or its task failed). Terminal: the status never changes again, and a
+    /// [`StatusChanged`] handed out with it resolves at once, so a status loop must end on it.
+    /// [`run_leader_tasks`](crate::run_leader_tasks) returns when it sees it.
+    Stopped,
 }
 
 // === impl LeaderStatus ===
@@ -275,11 +280,16 @@ impl LeaderStatus {
         matches!(self, LeaderStatus::Leading(_))
     }
 
+    /// Whether this status is the terminal `Stopped`.
+    pub fn is_stopped(&self) -> bool {
+        matches!(self, LeaderStatus::Stopped)
+    }
+
     /// The leadership term, when leading.
     pub fn leadership(&self) -> Option<&Leadership> {
         match self {
             LeaderStatus::Leading(l) => Some(l),
-            LeaderStatus::NotLeading { .. } => None,
+            LeaderStatus::NotLeading { .. } | LeaderStatus::Stopped => None,
         }
     }
 
@@ -287,14 +297,34 @@ impl LeaderStatus {
     pub fn leader(&self) -> Option<&str> {
         match self {
             LeaderStatus::NotLeading { leader } => leader.as_deref(),
-            LeaderStatus::Leading(_) => None,
+            LeaderStatus::Leading(_) | LeaderStatus::Stopped => None,
         }
     }
 }
 
 /// A future that resolves when the status it was handed out with has been superseded.
 ///
-/// If the publisher goes away, no change can come any more and the future never resolves.
+/// It also resolves when the publisher stops: an elector publishes the terminal
+/// [`LeaderStatus::Stopped`] when it stops (shut down, every handle dropped, its runtime gone,
+/// or its task failed), and a [`StatusCell`] whose publishers are all gone ends the wait too.
+/// A `StatusChanged` handed out *with* `Stopped` never resolves, since nothing changes any more
+/// (resolving at once would make a loop that misses `Stopped` spin). A status loop therefore
+/// ends on `Stopped`:
+///
+/// ```
+/// # async fn demo(elector: leasehold::Elector) {
+/// use leasehold::LeaderStatus;
+/// loop {
+///     let (status, changed) = elector.current_status();
+///     match status {
+///         LeaderStatus::Leading(term) => println!("leading, token {}", term.fencing_token()),
+///         LeaderStatus::NotLeading { leader } => println!("following {leader:?}"),
+///         LeaderStatus::Stopped => break,
+///     }
+///     changed.await;
+/// }
+/// # }
+/// ```
 ///
 /// # Cancel safety
 ///
@@ -394,10 +424,16 @@ impl StatusSource for StatusCell {
     fn current_status(&self) -> (LeaderStatus, StatusChanged) {
         let mut rx = self.tx.subscribe();
         let status = rx.borrow_and_update().clone();
+        let stopped = status.is_stopped();
         let changed = StatusChanged(Box::pin(async move {
-            if rx.changed().await.is_err() {
+            if stopped {
+                // Terminal: nothing changes any more. Resolving here would turn a loop that
+                // misses `Stopped` into a busy loop that starves its runtime.
                 std::future::pending::<()>().await;
             }
+            // An error means every publisher is gone: no change can come any more, which ends
+            // the wait as a stop does.
+            let _ = rx.changed().await;
         }));
         (status, changed)
     }

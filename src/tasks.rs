@@ -112,7 +112,8 @@ async fn validity_passed(l: &Leadership) {
 }
 
 /// Runs `task` whenever `source` reports leading, and cancels it when leadership ends; returns
-/// once `parent` is cancelled and the task has finished.
+/// once `parent` is cancelled or the source has stopped ([`LeaderStatus::Stopped`]: the
+/// elector was shut down, or failed), and the task has finished.
 ///
 /// The counterpart of k0s's `RunLeaderTasks(ctx, statusFunc, tasks)`:
 /// - On each new term, `task` is called once with a [`LeaderContext`] whose token is a child of
@@ -128,8 +129,9 @@ async fn validity_passed(l: &Leadership) {
 ///
 /// ```no_run
 /// # async fn demo(elector: leasehold::Elector) {
-/// use tokio_util::sync::CancellationToken;
+/// use leasehold::CancellationToken;
 /// let shutdown = CancellationToken::new();
+/// // A clone of the elector (a cheap handle) can also be moved into `tokio::spawn` with this.
 /// leasehold::run_leader_tasks(shutdown.clone(), &elector, |leader| async move {
 ///     println!("leading with fencing token {}", leader.fencing_token());
 ///     leader.cancelled().await;
@@ -163,6 +165,8 @@ where
             {
                 l
             }
+            // The elector has stopped: no term can come any more.
+            LeaderStatus::Stopped => return,
             other => {
                 drop(other);
                 tokio::select! {

@@ -140,16 +140,17 @@ async fn k0s_always_leading() {
     events.expect("always-lost").await;
     events.expect_none();
     assert_eq!(rx.await.expect("task ran"), Some(StopCause::SteppedDown));
-    assert_eq!(
-        pool.current_status().0,
-        LeaderStatus::NotLeading { leader: None }
-    );
-    shutdown.cancel();
-    tasks.await.expect("tasks");
+    assert_eq!(pool.current_status().0, LeaderStatus::Stopped);
+    // run_leader_tasks returns on the stop by itself.
+    tokio::time::timeout(Duration::from_secs(60), tasks)
+        .await
+        .expect("run_leader_tasks returns once the pool has stopped")
+        .expect("tasks");
+    drop(shutdown);
 }
 
 /// k0s's `Dummy{Leader: false}`: never leads, never runs a leader task or a callback, and its
-/// status never changes.
+/// status never changes until `stop`, which publishes `Stopped`.
 #[tokio::test(start_paused = true)]
 async fn k0s_never_leading() {
     let pool = Arc::new(NeverLeading::new());
@@ -178,9 +179,13 @@ async fn k0s_never_leading() {
     assert!(changed.now_or_never().is_none(), "the status changed");
     assert!(!pool.subscribe().borrow().is_leading());
     pool.stop().await;
-    shutdown.cancel();
-    tasks.await.expect("tasks");
+    assert_eq!(pool.current_status().0, LeaderStatus::Stopped);
+    tokio::time::timeout(Duration::from_secs(60), tasks)
+        .await
+        .expect("run_leader_tasks returns once the pool has stopped")
+        .expect("tasks");
     events.expect_none();
+    drop(shutdown);
 }
 
 /// k0s's pool timings (60 s / 15 s / 5 s) are the k0s layer's defaults, for the leader lease and

@@ -321,11 +321,63 @@ struct Shared {
     validity: Mutex<Option<Arc<Mutex<Validity>>>>,
     /// Set when the background task panicked.
     failed: Mutex<Option<String>>,
+    /// The store's failures in a row, if its last operation failed.
+    store_failure: Mutex<Option<StoreFailure>>,
+    /// The store's name, for errors.
+    store_name: &'static str,
+    metrics: crate::metrics::Metrics,
     /// Cancelled once the background task has finished.
     stopped: CancellationToken,
 }
 
+/// A run of failed store operations.
+struct StoreFailure {
+    first: Instant,
+    failures: u64,
+    last_error: String,
+}
+
+/// Whether `e` says the store failed, as opposed to an ordinary outcome of a compare-and-swap
+/// (a conflict, an existing or missing key), an unsupported optional operation, or corrupt data
+/// (which the machine handles).
+fn is_store_failure(e: &Error) -> bool {
+    !matches!(
+        e,
+        Error::AlreadyExists { .. }
+            | Error::Conflict { .. }
+            | Error::NotFound { .. }
+            | Error::Unsupported { .. }
+            | Error::Corrupt { .. }
+    )
+}
+
 impl Shared {
+    /// Records the outcome of a store operation for [`Elector::store_health`].
+    fn store_outcome(&self, error: Option<&Error>) {
+        if let Some(e) = error.filter(|e| is_store_failure(e)) {
+            self.metrics.store_error(self.store_name, e);
+        }
+        let mut cur = self.store_failure.lock().unwrap_or_else(|e| e.into_inner());
+        match error {
+            None => *cur = None,
+            Some(e) if is_store_failure(e) => match cur.as_mut() {
+                Some(f) => {
+                    f.failures += 1;
+                    f.last_error = e.to_string();
+                }
+                None => {
+                    *cur = Some(StoreFailure {
+                        first: Instant::now(),
+                        failures: 1,
+                        last_error: e.to_string(),
+                    });
+                }
+            },
+            // An ordinary outcome is an answer from the store.
+            Some(_) => *cur = None,
+        }
+    }
+
     fn failure(&self) -> Option<Error> {
         let failed = self.failed.lock().unwrap_or_else(|e| e.into_inner());
         failed.as_ref().map(|m| Error::ElectorFailed {
@@ -338,19 +390,33 @@ impl Shared {
 /// A leader elector for one lease key. See the [module docs](self) for its semantics.
 ///
 /// Created by [`Elector::spawn`], which starts a background task on the current Tokio runtime.
-/// Dropping the `Elector` shuts it down in the background (in order, as [`Elector::shutdown`]
-/// does); call `shutdown` to wait for that.
+/// An `Elector` is a cheap handle: clones share the one elector (like `kube::Client`), so a
+/// clone can be moved into `tokio::spawn` or [`run_leader_tasks`](crate::run_leader_tasks).
+/// Dropping the last handle shuts the elector down in the background (in order, as
+/// [`Elector::shutdown`] does); call `shutdown` on any handle to wait for that.
+#[derive(Clone)]
 pub struct Elector {
+    inner: Arc<Handle>,
+}
+
+/// What every clone of an [`Elector`] shares; dropping it (the last handle) shuts down.
+struct Handle {
     shared: Arc<Shared>,
     task: Mutex<Option<JoinHandle<()>>>,
+}
+
+impl Drop for Handle {
+    fn drop(&mut self) {
+        self.shared.commands.request_shutdown();
+    }
 }
 
 impl fmt::Debug for Elector {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Elector")
-            .field("key", &self.shared.config.key)
-            .field("identity", &self.shared.config.identity)
-            .field("status", &self.shared.status.get())
+            .field("key", &self.inner.shared.config.key)
+            .field("identity", &self.inner.shared.config.identity)
+            .field("status", &self.inner.shared.status.get())
             .finish_non_exhaustive()
     }
 }
@@ -388,6 +454,7 @@ impl Elector {
                 config.renew_deadline
             )));
         }
+        let metrics = crate::metrics::Metrics::new(config.key.as_str());
         let machine = Machine::new(config, caps.watch, rand::random(), now())?;
         let shared = Arc::new(Shared {
             config: machine.shared_config(),
@@ -395,6 +462,9 @@ impl Elector {
             commands: Commands::default(),
             validity: Mutex::new(None),
             failed: Mutex::new(None),
+            store_failure: Mutex::new(None),
+            store_name: store.name(),
+            metrics,
             stopped: CancellationToken::new(),
         });
         let span = tracing::info_span!(
@@ -410,41 +480,44 @@ impl Elector {
         };
         let task = tokio::spawn(driver.run().instrument(span));
         Ok(Elector {
-            shared,
-            task: Mutex::new(Some(task)),
+            inner: Arc::new(Handle {
+                shared,
+                task: Mutex::new(Some(task)),
+            }),
         })
     }
 
     /// The configuration this elector runs with.
     pub fn config(&self) -> &ElectorConfig {
-        &self.shared.config
+        &self.inner.shared.config
     }
 
     /// The current status and a future that resolves when it is superseded (k0s's
     /// `CurrentStatus()`). Also available through [`StatusSource`].
     pub fn current_status(&self) -> (LeaderStatus, StatusChanged) {
-        self.shared.status.current_status()
+        self.inner.shared.status.current_status()
     }
 
     /// A `tokio::sync::watch` receiver of the status.
     pub fn subscribe(&self) -> tokio::sync::watch::Receiver<LeaderStatus> {
-        self.shared.status.subscribe()
+        self.inner.shared.status.subscribe()
     }
 
     /// Whether this elector leads right now: its status is leading and the term is still valid
     /// by the monotonic clock.
     pub fn is_leading(&self) -> bool {
-        match self.shared.status.get() {
+        match self.inner.shared.status.get() {
             LeaderStatus::Leading(l) => l.is_valid(),
-            LeaderStatus::NotLeading { .. } => false,
+            LeaderStatus::NotLeading { .. } | LeaderStatus::Stopped => false,
         }
     }
 
     /// The identity of the current leader as far as this elector knows (its own when leading).
     pub fn leader(&self) -> Option<String> {
-        match self.shared.status.get() {
-            LeaderStatus::Leading(_) => Some(self.shared.config.identity.clone()),
+        match self.inner.shared.status.get() {
+            LeaderStatus::Leading(_) => Some(self.inner.shared.config.identity.clone()),
             LeaderStatus::NotLeading { leader } => leader,
+            LeaderStatus::Stopped => None,
         }
     }
 
@@ -455,11 +528,11 @@ impl Elector {
     /// # Errors
     /// [`Error::Unhealthy`], or [`Error::ElectorFailed`].
     pub fn check_health(&self) -> Result<()> {
-        if let Some(e) = self.shared.failure() {
+        if let Some(e) = self.inner.shared.failure() {
             return Err(e);
         }
-        let cfg = &self.shared.config;
-        if let LeaderStatus::Leading(l) = self.shared.status.get()
+        let cfg = &self.inner.shared.config;
+        if let LeaderStatus::Leading(l) = self.inner.shared.status.get()
             && !l.is_valid()
         {
             let since = match l.valid_until() {
@@ -474,6 +547,38 @@ impl Elector {
             });
         }
         Ok(())
+    }
+
+    /// Whether the store answers: fails when the elector's last store operation (a read, a
+    /// write or opening the watch) failed, with how many failed in a row, for how long, and the
+    /// last error. A store that is down, unreachable or rejecting the credentials shows here, not
+    /// only in the logs; a follower that cannot reach its store otherwise just sees no leader.
+    /// Conflicts and other ordinary compare-and-swap outcomes are answers, not failures.
+    ///
+    /// A watching follower sends no requests in steady state, so a store that fails while it
+    /// is idle shows once the watch breaks and cannot be reopened.
+    ///
+    /// # Errors
+    /// [`Error::StoreFailing`]; [`Error::ElectorFailed`] when the elector's task failed.
+    pub fn store_health(&self) -> Result<()> {
+        let shared = &self.inner.shared;
+        if let Some(e) = shared.failure() {
+            return Err(e);
+        }
+        let cur = shared
+            .store_failure
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        match cur.as_ref() {
+            None => Ok(()),
+            Some(f) => Err(Error::StoreFailing {
+                key: shared.config.key.to_string(),
+                store: shared.store_name,
+                failures: f.failures,
+                since: f.first.elapsed(),
+                last_error: f.last_error.clone(),
+            }),
+        }
     }
 
     /// Releases the lease if held (in order: status, then leader tasks drain while the lease is
@@ -491,11 +596,15 @@ impl Elector {
     pub async fn yield_for(&self, duration: Duration) -> Result<()> {
         let (tx, rx) = oneshot::channel();
         let gone = || {
-            self.shared.failure().unwrap_or_else(|| Error::Shutdown {
-                key: self.shared.config.key.to_string(),
-            })
+            self.inner
+                .shared
+                .failure()
+                .unwrap_or_else(|| Error::Shutdown {
+                    key: self.inner.shared.config.key.to_string(),
+                })
         };
-        self.shared
+        self.inner
+            .shared
             .commands
             .send(Command::Yield(duration, tx))
             .map_err(|_| gone())?;
@@ -512,8 +621,13 @@ impl Elector {
     /// # Cancel safety
     /// Cancel safe: the shutdown goes ahead in the background if this future is dropped.
     pub async fn shutdown(&self) -> Result<()> {
-        self.shared.commands.request_shutdown();
-        let task = self.task.lock().unwrap_or_else(|e| e.into_inner()).take();
+        self.inner.shared.commands.request_shutdown();
+        let task = self
+            .inner
+            .task
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take();
         match task {
             Some(task) => {
                 if let Err(e) = task.await {
@@ -521,9 +635,9 @@ impl Elector {
                 }
             }
             // Another caller is waiting for the task; wait for the same end.
-            None => self.shared.stopped.cancelled().await,
+            None => self.inner.shared.stopped.cancelled().await,
         }
-        match self.shared.failure() {
+        match self.inner.shared.failure() {
             Some(e) => Err(e),
             None => Ok(()),
         }
@@ -535,19 +649,36 @@ impl Elector {
     /// # Cancel safety
     /// Cancel safe.
     pub async fn stopped(&self) {
-        self.shared.stopped.cancelled().await;
-    }
-}
-
-impl Drop for Elector {
-    fn drop(&mut self) {
-        self.shared.commands.request_shutdown();
+        self.inner.shared.stopped.cancelled().await;
     }
 }
 
 impl StatusSource for Elector {
     fn current_status(&self) -> (LeaderStatus, StatusChanged) {
-        self.shared.status.current_status()
+        self.inner.shared.status.current_status()
+    }
+}
+
+/// Ends an elector, however its task ends (returned, panicked, or dropped with its runtime):
+/// revokes any term still valid, publishes the terminal [`LeaderStatus::Stopped`], closes the
+/// command queue and wakes every waiter of [`Elector::stopped`].
+struct StopGuard(Arc<Shared>);
+
+impl Drop for StopGuard {
+    fn drop(&mut self) {
+        let shared = &self.0;
+        if let Some(v) = shared
+            .validity
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take()
+        {
+            set_validity(&v, Validity::Revoked);
+        }
+        shared.status.set(LeaderStatus::Stopped);
+        shared.metrics.leading(false);
+        shared.commands.close();
+        shared.stopped.cancel();
     }
 }
 
@@ -589,8 +720,9 @@ impl Driver {
     /// once (inside `drive`'s future), not twice.
     fn run(self) -> impl Future<Output = ()> + Send + 'static {
         let shared = self.shared.clone();
-        // Marks the elector stopped when this task ends, also if it panics or is aborted.
-        let stopped = shared.stopped.clone().drop_guard();
+        // Marks the elector stopped when this task ends, also if it panics or is aborted (its
+        // runtime shut down).
+        let stopped = StopGuard(shared.clone());
         std::panic::AssertUnwindSafe(self.drive())
             .catch_unwind()
             .map(move |result| {
@@ -610,9 +742,7 @@ impl Driver {
                     {
                         set_validity(&v, Validity::Revoked);
                     }
-                    shared.status.set(LeaderStatus::NotLeading { leader: None });
                 }
-                shared.commands.close();
                 drop(stopped);
             })
     }
@@ -630,6 +760,7 @@ impl Driver {
                     let id = req.id;
                     let op = req.op;
                     let store_name = self.store_name;
+                    io.request_sent = Some(Instant::now());
                     io.request = Some(Box::pin(async move {
                         let r = tokio::time::timeout_at(deadline, call(store, key, op))
                             .await
@@ -682,12 +813,19 @@ impl Driver {
                         .lock()
                         .unwrap_or_else(|e| e.into_inner()) = Some(l.validity_cell());
                     self.shared.status.set(LeaderStatus::Leading(l.clone()));
+                    self.shared.metrics.leading(true);
+                    self.shared
+                        .metrics
+                        .acquired(io.campaign_since.take().map(|t| t.elapsed()));
                     io.term = Some(l);
                     io.drained = Some(Box::pin(async move {
                         let _ = rx.await;
                     }));
                 }
                 Output::Renewed { valid_until } => {
+                    if let Some(sent) = io.request_sent {
+                        self.shared.metrics.renewed(sent.elapsed());
+                    }
                     if let Some(v) = &*self
                         .shared
                         .validity
@@ -698,6 +836,8 @@ impl Driver {
                     }
                 }
                 Output::TermEnded { cause } => {
+                    self.shared.metrics.leading(false);
+                    io.campaign_since = Some(Instant::now());
                     if let Some(l) = io.term.take() {
                         l.mark_ended(cause);
                     }
@@ -754,10 +894,12 @@ impl Driver {
             }
             Ev::Reply(id, r) => {
                 io.request = None;
+                self.shared.store_outcome(r.as_ref().err());
                 self.machine.handle_reply(now(), id, r);
             }
             Ev::Opened(id, r) => {
                 io.opening = None;
+                self.shared.store_outcome(r.as_ref().err());
                 match r {
                     Ok(s) => {
                         io.watch = Some((id, s));
@@ -784,7 +926,10 @@ impl Driver {
     #[allow(clippy::manual_async_fn)] // on purpose: see above
     fn drive(mut self) -> impl Future<Output = ()> + Send + 'static {
         async move {
-            let mut io = Io::default();
+            let mut io = Io {
+                campaign_since: Some(Instant::now()),
+                ..Io::default()
+            };
             let mut sleep = Box::pin(tokio::time::sleep_until(Instant::now()));
             loop {
                 self.apply(&mut io);
@@ -813,6 +958,10 @@ impl Driver {
 #[derive(Default)]
 struct Io {
     request: Pending<(RequestId, Result<Reply>)>,
+    /// When the request in flight was sent.
+    request_sent: Option<Instant>,
+    /// When campaigning for the next term started (start-up or the end of a term).
+    campaign_since: Option<Instant>,
     opening: Pending<(WatchId, Result<WatchStream>)>,
     watch: Option<(WatchId, WatchStream)>,
     term: Option<Leadership>,

@@ -249,8 +249,9 @@ impl AlwaysLeading {
     }
 
     /// Ends the term: the status becomes not leading, leader tasks are cancelled with
-    /// [`StopCause::SteppedDown`], and the lost-lease callbacks run; returns once they have.
-    /// Calling it again returns at once.
+    /// [`StopCause::SteppedDown`], and the lost-lease callbacks run; once they have, the status
+    /// becomes [`LeaderStatus::Stopped`] (so [`run_leader_tasks`](crate::run_leader_tasks)
+    /// returns) and `stop` returns. Calling it again returns at once.
     ///
     /// # Cancel safety
     /// Cancel safe: the term has ended once the first poll returned; the callbacks finish in the
@@ -262,6 +263,7 @@ impl AlwaysLeading {
             self.cell.set(LeaderStatus::NotLeading { leader: None });
         }
         self.callbacks.stop().await;
+        self.cell.set(LeaderStatus::Stopped);
     }
 }
 
@@ -291,10 +293,10 @@ impl LeaderElector for AlwaysLeading {
 /// A leader elector that never leads (k0s's `Dummy{Leader: false}`): for tests of components
 /// in their follower role, and for setups where this process must never run leader-only work.
 ///
-/// Its status is always [`LeaderStatus::NotLeading`] with no known leader, and its change
-/// future never resolves, so [`run_leader_tasks`](crate::run_leader_tasks) never starts a task.
+/// Its status is [`LeaderStatus::NotLeading`] with no known leader until `stop`, so [`run_leader_tasks`](crate::run_leader_tasks) never starts a task.
 /// Callbacks of the deprecated API are accepted and never run (there is no term to start or
-/// end). [`yield_lease`](NeverLeading::yield_lease) and [`stop`](NeverLeading::stop) do nothing.
+/// end). [`yield_lease`](NeverLeading::yield_lease) does nothing; [`stop`](NeverLeading::stop)
+/// publishes [`LeaderStatus::Stopped`].
 /// It needs no runtime.
 pub struct NeverLeading {
     cell: StatusCell,
@@ -333,11 +335,14 @@ impl NeverLeading {
         Ok(())
     }
 
-    /// Does nothing: there is no term to end. Returns at once.
+    /// Publishes [`LeaderStatus::Stopped`] (there is no term to end), so
+    /// [`run_leader_tasks`](crate::run_leader_tasks) returns. Returns at once.
     ///
     /// # Cancel safety
     /// Cancel safe.
-    pub async fn stop(&self) {}
+    pub async fn stop(&self) {
+        self.cell.set(LeaderStatus::Stopped);
+    }
 }
 
 impl Default for NeverLeading {

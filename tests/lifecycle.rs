@@ -1,0 +1,203 @@
+//! The elector's lifecycle as a user meets it: a cheap `Clone` handle, status loops and
+//! `run_leader_tasks` that end when the elector stops (however it stops), store failures that
+//! show in `store_health`, and a store timeout that could never fit in the renew deadline.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use leasehold::fault::FaultyStore;
+use leasehold::{
+    Capabilities, DynLeaseStore, Elector, ElectorConfig, Error, LeaderStatus, LeaseKey,
+    MemoryStore, run_leader_tasks,
+};
+use tokio_util::sync::CancellationToken;
+
+fn config(identity: &str) -> ElectorConfig {
+    ElectorConfig::new(LeaseKey::new("lifecycle").expect("valid key"), identity)
+        .with_timings(
+            Duration::from_secs(2),
+            Duration::from_millis(1500),
+            Duration::from_millis(300),
+        )
+        .with_trust_absence(true)
+}
+
+async fn leading(e: &Elector) {
+    let mut rx = e.subscribe();
+    rx.wait_for(LeaderStatus::is_leading)
+        .await
+        .expect("the elector leads");
+}
+
+#[tokio::test(start_paused = true)]
+async fn clones_share_one_elector_that_stops_with_the_last_handle() {
+    let store: DynLeaseStore = Arc::new(MemoryStore::new());
+    let a = Elector::spawn(store.clone(), config("a")).expect("valid config");
+    let clone = a.clone();
+    leading(&clone).await;
+    // A clone moves into a spawned task like any owned value.
+    let task = tokio::spawn({
+        let clone = clone.clone();
+        async move { clone.is_leading() }
+    });
+    assert!(task.await.expect("the task runs"));
+
+    let mut status = a.subscribe();
+    drop(clone);
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    assert!(a.is_leading(), "dropping a clone does not stop the elector");
+
+    drop(a);
+    tokio::time::timeout(
+        Duration::from_secs(60),
+        status.wait_for(LeaderStatus::is_stopped),
+    )
+    .await
+    .expect("dropping the last handle stops the elector")
+    .expect("the status reports the stop");
+    let record = store
+        .get(&LeaseKey::new("lifecycle").expect("valid key"))
+        .await
+        .expect("the store answers")
+        .expect("the record exists");
+    assert_eq!(
+        record.record.holder_identity, "",
+        "dropping the last handle released the lease in order"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn run_leader_tasks_and_status_loops_end_when_the_elector_shuts_down() {
+    let store: DynLeaseStore = Arc::new(MemoryStore::new());
+    let elector = Elector::spawn(store, config("a")).expect("valid config");
+
+    // `run_leader_tasks` with a parent token that nobody cancels.
+    let tasks = tokio::spawn(run_leader_tasks(
+        CancellationToken::new(),
+        elector.clone(),
+        |leader| async move { leader.cancelled().await },
+    ));
+    // The README's status loop.
+    let status_loop = tokio::spawn({
+        let elector = elector.clone();
+        async move {
+            let mut seen = Vec::new();
+            loop {
+                let (status, changed) = elector.current_status();
+                let stopped = status.is_stopped();
+                seen.push(status.is_leading());
+                if stopped {
+                    return seen;
+                }
+                changed.await;
+            }
+        }
+    });
+    leading(&elector).await;
+    elector.shutdown().await.expect("a clean shutdown");
+
+    tokio::time::timeout(Duration::from_secs(60), tasks)
+        .await
+        .expect("run_leader_tasks returns when the elector stops")
+        .expect("no panic");
+    let seen = tokio::time::timeout(Duration::from_secs(60), status_loop)
+        .await
+        .expect("the status loop ends when the elector stops")
+        .expect("no panic");
+    assert!(seen.contains(&true), "the loop saw the term: {seen:?}");
+
+    // After the stop, the status stays `Stopped`; nothing changes any more.
+    let (status, changed) = elector.current_status();
+    assert!(status.is_stopped(), "{status:?}");
+    assert!(
+        tokio::time::timeout(Duration::from_secs(1), changed)
+            .await
+            .is_err(),
+        "a Stopped status never changes"
+    );
+}
+
+#[test]
+fn the_status_is_stopped_when_the_runtime_goes_away() {
+    let store: DynLeaseStore = Arc::new(MemoryStore::new());
+    let elector_rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("a runtime");
+    let elector = elector_rt.block_on(async {
+        let e = Elector::spawn(store, config("a")).expect("valid config");
+        leading(&e).await;
+        e
+    });
+    let (status, changed) = elector.current_status();
+    let term = status.leadership().expect("leading").clone();
+    // Like a crash of the elector's runtime: its task is dropped without an orderly stop.
+    elector_rt.shutdown_background();
+
+    let watcher = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("a runtime");
+    watcher.block_on(async {
+        tokio::time::timeout(Duration::from_secs(10), changed)
+            .await
+            .expect("the change signal fires when the elector's task is dropped");
+    });
+    assert!(elector.current_status().0.is_stopped());
+    assert!(
+        !term.is_valid(),
+        "a term whose elector task is gone is revoked"
+    );
+    assert!(term.ensure_leading().is_err());
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_failing_store_shows_in_store_health() {
+    let faulty = FaultyStore::new(Arc::new(MemoryStore::new()));
+    let faults = faulty.faults().clone();
+    faults.set_partitioned(true);
+    let elector = Elector::spawn(Arc::new(faulty), config("a")).expect("valid config");
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    match elector.store_health() {
+        Err(Error::StoreFailing {
+            failures,
+            since,
+            last_error,
+            ..
+        }) => {
+            assert!(failures >= 2, "{failures} failures");
+            assert!(since >= Duration::from_secs(1), "failing for {since:?}");
+            assert!(!last_error.is_empty());
+        }
+        other => panic!("expected StoreFailing, got {other:?}"),
+    }
+    assert!(
+        elector.check_health().is_ok(),
+        "a follower's leader health is unaffected"
+    );
+    let message = elector.store_health().expect_err("failing").to_string();
+    assert!(message.contains("lifecycle"), "{message}");
+
+    faults.heal();
+    leading(&elector).await;
+    elector.store_health().expect("the store answers again");
+}
+
+#[tokio::test]
+async fn spawn_rejects_a_store_timeout_not_shorter_than_the_renew_deadline() {
+    for timeout in [Duration::from_millis(1500), Duration::from_secs(5)] {
+        let store = FaultyStore::new(Arc::new(MemoryStore::new()))
+            .with_capabilities(Capabilities::WATCH.with_operation_timeout(timeout));
+        let err = Elector::spawn(Arc::new(store), config("a")).expect_err("rejected");
+        let message = err.to_string();
+        assert!(matches!(err, Error::InvalidConfig(_)), "{err:?}");
+        assert!(
+            message.contains(&format!("{timeout:?}")) && message.contains("1.5s"),
+            "names both values: {message}"
+        );
+    }
+    let store = FaultyStore::new(Arc::new(MemoryStore::new()))
+        .with_capabilities(Capabilities::WATCH.with_operation_timeout(Duration::from_secs(1)));
+    let elector = Elector::spawn(Arc::new(store), config("a")).expect("a shorter timeout is fine");
+    elector.shutdown().await.expect("clean");
+}
