@@ -17,16 +17,14 @@
 //! ```toml
 //! leasehold = "0.1"
 //! leasehold-etcd = "0.1"
-//! tokio = { version = "1.47", features = ["macros", "rt-multi-thread"] }
-//! tokio-util = "0.7"
+//! tokio = { version = "1.47", features = ["macros", "rt-multi-thread", "time"] }
 //! ```
 
 use std::sync::Arc;
 use std::time::Duration;
 
-use leasehold::{Elector, ElectorConfig, LeaseKey, run_leader_tasks};
+use leasehold::{CancellationToken, Elector, ElectorConfig, LeaseKey, run_leader_tasks};
 use leasehold_etcd::{EtcdConfig, EtcdStore};
-use tokio_util::sync::CancellationToken;
 
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -40,7 +38,6 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     println!("connected to etcd at {endpoints}");
 
     let key = LeaseKey::new("example")?;
-    let stop = CancellationToken::new();
     let mut candidates = Vec::new();
     for name in ["alpha", "bravo"] {
         // Lease 4 s, renew deadline 3 s, retry every 500 ms (client-go's defaults are 15/10/2 s).
@@ -49,10 +46,12 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             Duration::from_secs(3),
             Duration::from_millis(500),
         );
-        let elector = Arc::new(Elector::spawn(store.clone(), config)?);
-        // Leader-only work: started when this candidate leads, cancelled when it stops.
+        let elector = Elector::spawn(store.clone(), config)?;
+        // Leader-only work: started when this candidate leads, cancelled when it stops; it ends
+        // when the elector stops (or when the token, unused here, is cancelled). `Elector` is a
+        // cheap handle: clone it into the task.
         let tasks = tokio::spawn(run_leader_tasks(
-            stop.clone(),
+            CancellationToken::new(),
             elector.clone(),
             move |leader| async move {
                 println!("{name} leads with fencing token {}", leader.fencing_token());
@@ -71,12 +70,9 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let second = wait_for_leader(&candidates).await?;
     println!("handover done: {} leads now", candidates[second].0);
 
-    for (_, elector, _) in &candidates {
-        elector.shutdown().await?;
-    }
-    stop.cancel();
-    for (_, _, tasks) in candidates {
-        tasks.await?;
+    for (_, elector, tasks) in candidates {
+        elector.shutdown().await?; // releases the lease if it holds it
+        tasks.await?; // run_leader_tasks returns once its elector has stopped
     }
     println!("all candidates stopped");
     Ok(())
@@ -84,7 +80,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
 
 /// Waits (at most 30 s) until one of the candidates leads and returns its index.
 async fn wait_for_leader<T>(
-    candidates: &[(&str, Arc<Elector>, T)],
+    candidates: &[(&str, Elector, T)],
 ) -> Result<usize, Box<dyn std::error::Error>> {
     for _ in 0..600 {
         if let Some(i) = candidates.iter().position(|(_, e, _)| e.is_leading()) {

@@ -6,7 +6,7 @@
 //! - `after = Some(v)`: the watch starts at `v`, so the server replays every change after it.
 //! - Bookmarks advance the resume point without delivering anything.
 //! - When the server ends a watch (its `timeoutSeconds`, a dropped connection, or silence
-//!   longer than the watch timeout plus the request timeout), the watch resumes from the last
+//!   longer than the watch timeout plus the operation timeout), the watch resumes from the last
 //!   resourceVersion seen: nothing is lost and nothing is repeated.
 //! - When the resume point has expired (410 Gone), the Lease is read again; its current state is
 //!   delivered if it differs from the last one delivered (changes in between are coalesced), and

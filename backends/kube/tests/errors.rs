@@ -196,7 +196,7 @@ async fn http_500_is_retryable_unavailable() {
     assert_eq!(s.get(&key("flaky")).await.expect("get"), None);
 }
 
-/// kube-rs itself retries 429/503/504 with backoff (inside the store's request timeout); a
+/// kube-rs itself retries 429/503/504 with backoff (inside the store's operation timeout); a
 /// server that keeps answering 503 ends as a retryable error.
 #[tokio::test]
 async fn http_503_is_retryable() {

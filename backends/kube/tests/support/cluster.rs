@@ -12,7 +12,7 @@ pub const KUBECONFIG_VAR: &str = "LEASEHOLD_KUBECONFIG";
 /// update and delete on leases there).
 pub const NAMESPACE_VAR: &str = "LEASEHOLD_KUBE_NAMESPACE";
 
-/// The store settings for real clusters: a request timeout below the conformance suite's 1 s
+/// The store settings for real clusters: an operation timeout below the conformance suite's 1 s
 /// renew deadline.
 pub fn cluster_config(namespace: &str) -> KubeConfig {
     KubeConfig::new()
