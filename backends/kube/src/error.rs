@@ -94,6 +94,10 @@ impl Op {
 pub(crate) struct Ctx<'a> {
     pub(crate) op: Op,
     pub(crate) namespace: &'a str,
+    /// The API server's address, when the store knows it ([`KubeStore::connect`]).
+    ///
+    /// [`KubeStore::connect`]: crate::KubeStore::connect
+    pub(crate) server: Option<&'a str>,
     pub(crate) key: Option<&'a LeaseKey>,
     pub(crate) expected: Option<&'a Version>,
 }
@@ -101,6 +105,14 @@ pub(crate) struct Ctx<'a> {
 impl Ctx<'_> {
     fn key_string(&self) -> String {
         self.key.map(ToString::to_string).unwrap_or_default()
+    }
+
+    /// ` (Kubernetes API server at …)` when the server's address is known, for messages of
+    /// errors that say it could not be reached.
+    fn at_server(&self) -> String {
+        self.server
+            .map(|s| format!(" (Kubernetes API server at {s})"))
+            .unwrap_or_default()
     }
 }
 
@@ -167,7 +179,12 @@ pub(crate) fn map_status(status: &Status, ctx: &Ctx<'_>) -> leasehold::Error {
         },
         408 | 429 | 500..=599 => leasehold::Error::Unavailable {
             store: STORE_NAME,
-            message: format!("{} failed with HTTP {}: {msg}", ctx.op.name(), status.code),
+            message: format!(
+                "{} failed with HTTP {}: {msg}{}",
+                ctx.op.name(),
+                status.code,
+                ctx.at_server()
+            ),
             source: None,
         },
         _ => leasehold::Error::Store {
@@ -202,7 +219,7 @@ pub(crate) fn map_kube(err: kube::Error, ctx: &Ctx<'_>) -> leasehold::Error {
         | kube::Error::LinesCodecMaxLineLengthExceeded
         | kube::Error::FromUtf8(_)) => leasehold::Error::Unavailable {
             store: STORE_NAME,
-            message: format!("{} request failed: {e}", ctx.op.name()),
+            message: format!("{} request failed: {e}{}", ctx.op.name(), ctx.at_server()),
             source: Some(Box::new(e)),
         },
         e @ kube::Error::SerdeError(_) => leasehold::Error::Store {
@@ -253,6 +270,7 @@ mod tests {
         let ctx = Ctx {
             op: Op::Update,
             namespace: "ns",
+            server: None,
             key: None,
             expected: None,
         };

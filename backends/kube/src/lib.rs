@@ -285,7 +285,8 @@ pub struct KubeStore {
 pub(crate) struct Inner {
     api: Api<DynamicObject>,
     namespace: String,
-    /// The API server's address, when the store built its client ([`KubeStore::connect`]).
+    /// The API server's address, when the store built its client ([`KubeStore::connect`]);
+    /// named in the message of every [`leasehold::Error::Unavailable`].
     server: Option<String>,
     labels: BTreeMap<String, String>,
     operation_timeout: Duration,
@@ -448,8 +449,10 @@ impl KubeStore {
         match tokio::time::timeout(limit, probe).await {
             Ok(Ok(_)) => {}
             Ok(Err(e)) => {
-                let e = map_kube(e, &inner.ctx(Op::List, None, None));
-                return Err(Error::Connect(at_server(e, &server)));
+                return Err(Error::Connect(map_kube(
+                    e,
+                    &inner.ctx(Op::List, None, None),
+                )));
             }
             Err(_) => {
                 return Err(Error::Connect(leasehold::Error::Unavailable {
@@ -482,23 +485,6 @@ fn server_address(uri: &http::Uri) -> String {
     }
 }
 
-/// `e` with the API server's address in its message when it is
-/// [`leasehold::Error::Unavailable`].
-fn at_server(e: leasehold::Error, server: &str) -> leasehold::Error {
-    match e {
-        leasehold::Error::Unavailable {
-            store,
-            message,
-            source,
-        } => leasehold::Error::Unavailable {
-            store,
-            message: format!("cannot reach the Kubernetes API server at {server}: {message}"),
-            source,
-        },
-        other => other,
-    }
-}
-
 impl Inner {
     fn ctx<'a>(
         &'a self,
@@ -509,6 +495,7 @@ impl Inner {
         Ctx {
             op,
             namespace: &self.namespace,
+            server: self.server.as_deref(),
             key,
             expected,
         }

@@ -101,6 +101,7 @@ impl Watcher {
         Ctx {
             op,
             namespace: &self.inner.namespace,
+            server: self.inner.server.as_deref(),
             key: Some(&self.key),
             expected: None,
         }

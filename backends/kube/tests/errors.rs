@@ -250,6 +250,14 @@ async fn connect_probes_the_server_and_names_it_when_unreachable() {
     let url = server.url();
     let client_config = server.client_config(Some(support::ADMIN_TOKEN));
     drop(server); // nothing listens on the port any more
+    // Operations of a connected store name the server too.
+    let err = s.get(&key("gone")).await.expect_err("no server");
+    assert!(matches!(err, Error::Unavailable { .. }), "{err:?}");
+    assert!(
+        err.to_string()
+            .contains(&format!("(Kubernetes API server at {url})")),
+        "{err}"
+    );
     let err = KubeStore::connect_with(client_config, test_config())
         .await
         .expect_err("no server");
