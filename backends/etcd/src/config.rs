@@ -345,3 +345,15 @@ impl fmt::Debug for TlsConfig {
             .finish()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_default_operation_timeout_is_below_the_default_renew_deadline() {
+        let key = leasehold::LeaseKey::new("k").expect("valid key");
+        let elector = leasehold::ElectorConfig::new(key, "id");
+        assert!(DEFAULT_OPERATION_TIMEOUT < elector.renew_deadline);
+    }
+}

@@ -885,6 +885,13 @@ mod tests {
             last = seed;
         }
     }
+
+    #[test]
+    fn the_default_operation_timeout_is_below_the_default_renew_deadline() {
+        let key = leasehold::LeaseKey::new("k").expect("valid key");
+        let elector = leasehold::ElectorConfig::new(key, "id");
+        assert!(DEFAULT_OPERATION_TIMEOUT < elector.renew_deadline);
+    }
 }
 
 /// The README's code blocks, compiled as doctests (not part of the API).

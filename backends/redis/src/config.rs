@@ -506,4 +506,11 @@ mod tests {
             Err(Error::InvalidConfig(_))
         ));
     }
+
+    #[test]
+    fn the_default_operation_timeout_is_below_the_default_renew_deadline() {
+        let key = leasehold::LeaseKey::new("k").expect("valid key");
+        let elector = leasehold::ElectorConfig::new(key, "id");
+        assert!(DEFAULT_OPERATION_TIMEOUT < elector.renew_deadline);
+    }
 }
