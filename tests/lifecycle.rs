@@ -201,3 +201,45 @@ async fn spawn_rejects_a_store_timeout_not_shorter_than_the_renew_deadline() {
     let elector = Elector::spawn(Arc::new(store), config("a")).expect("a shorter timeout is fine");
     elector.shutdown().await.expect("clean");
 }
+
+#[test]
+fn a_process_restarted_with_the_same_identity_waits_a_whole_lease() {
+    let store: DynLeaseStore = Arc::new(MemoryStore::new());
+    let lease = Duration::from_secs(2);
+    // The first process leads, then crashes: its runtime goes away without a release.
+    let first = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("a runtime");
+    first.block_on(async {
+        let e = Elector::spawn(store.clone(), config("same-id")).expect("valid config");
+        leading(&e).await;
+        std::mem::forget(e);
+    });
+    first.shutdown_background();
+
+    // The restarted process has the same identity but cannot know it is the same process: two
+    // live processes may share an identity by mistake. It waits for the lease to expire.
+    let second = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("a runtime");
+    second.block_on(async {
+        let held = store
+            .get(&LeaseKey::new("lifecycle").expect("valid key"))
+            .await
+            .expect("the store answers")
+            .expect("the crashed leader's record");
+        assert_eq!(held.record.holder_identity, "same-id");
+        let start = tokio::time::Instant::now();
+        let e = Elector::spawn(store.clone(), config("same-id")).expect("valid config");
+        leading(&e).await;
+        // A lower bound only: a slow machine makes it later, never earlier.
+        assert!(
+            start.elapsed() >= lease,
+            "took over its own identity's record after {:?}, before the lease of {lease:?} expired",
+            start.elapsed()
+        );
+        e.shutdown().await.expect("clean");
+    });
+}
