@@ -381,20 +381,20 @@ pub(crate) async fn connect(
         StoreUrl::Redis { url, prefix, .. } => {
             let mut config = leasehold_redis::RedisConfig::new(url.0.clone())
                 .map_err(|e| fail(e.into()))?
-                .operation_timeout(timeouts.operation)
-                .connect_timeout(timeouts.connect);
+                .with_operation_timeout(timeouts.operation)
+                .with_connect_timeout(timeouts.connect);
             if let Some(p) = prefix {
-                config = config.prefix(p.clone()).map_err(|e| fail(e.into()))?;
+                config = config.with_prefix(p.clone());
             }
             if let Some(ca) = ca {
-                config = config.tls_root_ca_pem(ca);
+                config = config.with_tls_ca_pem(ca);
             }
             if let Some((cert, key)) = identity {
-                config = config.tls_client_cert_pem(cert, key);
+                config = config.with_tls_client_identity_pem(cert, key);
             }
             let store = leasehold_redis::RedisStore::connect(config)
                 .await
-                .map_err(fail)?;
+                .map_err(|e| fail(e.into()))?;
             Ok(Arc::new(store))
         }
         StoreUrl::Etcd {
@@ -413,14 +413,14 @@ pub(crate) async fn connect(
                 config = config.with_user(u.clone(), p.0.clone());
             }
             if *is_tls {
-                let mut t = leasehold_etcd::TlsConfig::new();
-                if let Some(ca) = ca {
-                    t = t.with_ca_pem(ca);
-                }
-                if let Some((cert, key)) = identity {
-                    t = t.with_client_identity_pem(cert, key);
-                }
-                config = config.with_tls(t);
+                // TLS with the system's roots unless --tls-ca names a CA.
+                config = config.with_tls(leasehold_etcd::TlsConfig::new());
+            }
+            if let Some(ca) = ca {
+                config = config.with_tls_ca_pem(ca);
+            }
+            if let Some((cert, key)) = identity {
+                config = config.with_tls_client_identity_pem(cert, key);
             }
             let store = leasehold_etcd::EtcdStore::connect(config)
                 .await
@@ -428,12 +428,13 @@ pub(crate) async fn connect(
             Ok(Arc::new(store))
         }
         StoreUrl::Kube { namespace } => {
-            let mut config =
-                leasehold_kube::KubeStoreConfig::default().request_timeout(timeouts.operation);
+            let mut config = leasehold_kube::KubeConfig::new()
+                .with_operation_timeout(timeouts.operation)
+                .with_connect_timeout(timeouts.connect);
             if let Some(ns) = namespace {
-                config = config.namespace(ns.clone());
+                config = config.with_namespace(ns.clone());
             }
-            let store = leasehold_kube::KubeStore::from_env(config)
+            let store = leasehold_kube::KubeStore::connect(config)
                 .await
                 .map_err(|e| fail(e.into()))?;
             Ok(Arc::new(store))

@@ -13,7 +13,9 @@ use std::sync::Arc;
 fn main() {
     leasehold::harness::bench_main(|| async {
         let what = format!("etcd at {:?}", common::shared_endpoints().await);
-        let store: leasehold::DynLeaseStore = Arc::new(common::shared_store().await);
+        // Below the harness's 600 ms renew deadline, which `Elector::spawn` checks.
+        let timeout = std::time::Duration::from_millis(400);
+        let store: leasehold::DynLeaseStore = Arc::new(common::shared_store_with(timeout).await);
         (what, store)
     });
 }

@@ -4,14 +4,24 @@ use std::fmt;
 use std::path::Path;
 use std::time::Duration;
 
-use crate::error::EtcdError;
+use crate::error::Error;
 
 /// The default key prefix: records live under `/leasehold/<key>`.
 pub const DEFAULT_PREFIX: &str = "/leasehold/";
 
+/// The default bound on one store operation; below the elector's default 10 s renew deadline.
+pub const DEFAULT_OPERATION_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// The default bound on connecting to one endpoint.
+pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// The default interval of HTTP/2 keep-alive pings while a watch is open.
+pub const DEFAULT_KEEP_ALIVE: Duration = Duration::from_secs(10);
+
 /// How to reach etcd: endpoints, key prefix, timeouts, TLS and credentials.
 ///
-/// Credentials and private keys never appear in its `Debug` output.
+/// Credentials and private keys never appear in its `Debug` output. The `with_*` setters never
+/// fail; [`EtcdStore::connect`](crate::EtcdStore::connect) validates the whole configuration.
 ///
 /// ```
 /// use std::time::Duration;
@@ -37,8 +47,9 @@ pub struct EtcdConfig {
 
 impl EtcdConfig {
     /// A configuration for these endpoints (`http://host:port`, `https://host:port` or
-    /// `host:port`), with the default prefix [`DEFAULT_PREFIX`], a 5 s operation timeout, a 5 s
-    /// connect timeout and HTTP/2 keep-alive pings every 10 s while a watch is open.
+    /// `host:port`), with the default prefix [`DEFAULT_PREFIX`], a 5 s operation timeout
+    /// ([`DEFAULT_OPERATION_TIMEOUT`]), a 5 s connect timeout and HTTP/2 keep-alive pings every
+    /// 10 s while a watch is open.
     ///
     /// The client spreads requests over all endpoints and skips unreachable ones.
     pub fn new<I, S>(endpoints: I) -> Self
@@ -49,9 +60,9 @@ impl EtcdConfig {
         EtcdConfig {
             endpoints: endpoints.into_iter().map(Into::into).collect(),
             prefix: DEFAULT_PREFIX.to_owned(),
-            operation_timeout: Duration::from_secs(5),
-            connect_timeout: Duration::from_secs(5),
-            keep_alive: Duration::from_secs(10),
+            operation_timeout: DEFAULT_OPERATION_TIMEOUT,
+            connect_timeout: DEFAULT_CONNECT_TIMEOUT,
+            keep_alive: DEFAULT_KEEP_ALIVE,
             credentials: None,
             tls: None,
         }
@@ -78,13 +89,15 @@ impl EtcdConfig {
     }
 
     /// The longest any single operation may take before it fails with
-    /// [`leasehold::Error::Timeout`]. Keep it below the elector's renew deadline.
+    /// [`leasehold::Error::Timeout`] (default 5 s). The store reports it in its
+    /// [`Capabilities`](leasehold::Capabilities), and [`leasehold::Elector::spawn`] refuses a
+    /// `renew_deadline` that is not longer.
     pub fn with_operation_timeout(mut self, timeout: Duration) -> Self {
         self.operation_timeout = timeout;
         self
     }
 
-    /// The longest connecting to one endpoint may take.
+    /// The longest connecting to one endpoint may take (default 5 s).
     pub fn with_connect_timeout(mut self, timeout: Duration) -> Self {
         self.connect_timeout = timeout;
         self
@@ -110,9 +123,31 @@ impl EtcdConfig {
         self
     }
 
-    /// Uses TLS (endpoints then should be `https://…`).
+    /// Uses TLS with these settings (endpoints then should be `https://…`), replacing any set
+    /// before. [`with_tls_ca_pem`](Self::with_tls_ca_pem) and
+    /// [`with_tls_client_identity_pem`](Self::with_tls_client_identity_pem) are shorthands; this
+    /// one also takes a [domain name](TlsConfig::with_domain_name).
     pub fn with_tls(mut self, tls: TlsConfig) -> Self {
         self.tls = Some(tls);
+        self
+    }
+
+    /// Uses TLS and trusts this CA certificate (PEM) for the servers' certificates.
+    pub fn with_tls_ca_pem(mut self, pem: impl Into<Vec<u8>>) -> Self {
+        self.tls = Some(self.tls.take().unwrap_or_default().with_ca_pem(pem));
+        self
+    }
+
+    /// Uses TLS and presents this client certificate and private key (both PEM) for mutual TLS.
+    /// With etcd's `--client-cert-auth` and authentication enabled, the certificate's common
+    /// name is the etcd user. The key never appears in `Debug` output.
+    pub fn with_tls_client_identity_pem(
+        mut self,
+        cert: impl Into<Vec<u8>>,
+        key: impl Into<Vec<u8>>,
+    ) -> Self {
+        let tls = self.tls.take().unwrap_or_default();
+        self.tls = Some(tls.with_client_identity_pem(cert, key));
         self
     }
 
@@ -126,14 +161,44 @@ impl EtcdConfig {
         &self.endpoints
     }
 
-    pub(crate) fn validate(&self) -> Result<(), EtcdError> {
+    /// The bound on one store operation.
+    pub fn operation_timeout(&self) -> Duration {
+        self.operation_timeout
+    }
+
+    /// The bound on connecting to one endpoint.
+    pub fn connect_timeout(&self) -> Duration {
+        self.connect_timeout
+    }
+
+    /// The interval of HTTP/2 keep-alive pings while a watch is open.
+    pub fn keep_alive(&self) -> Duration {
+        self.keep_alive
+    }
+
+    /// The user name given to [`with_user`](Self::with_user), if any (never the password).
+    pub fn user(&self) -> Option<&str> {
+        self.credentials.as_ref().map(|c| c.user.as_str())
+    }
+
+    /// The TLS settings, if TLS is on.
+    pub fn tls(&self) -> Option<&TlsConfig> {
+        self.tls.as_ref()
+    }
+
+    pub(crate) fn validate(&self) -> Result<(), Error> {
         if self.endpoints.is_empty() {
-            return Err(EtcdError::InvalidConfig(
-                "at least one endpoint is needed".into(),
+            return Err(Error::InvalidConfig(
+                "at least one endpoint is needed, such as http://127.0.0.1:2379".into(),
             ));
         }
+        if let Some(e) = self.endpoints.iter().find(|e| e.trim().is_empty()) {
+            return Err(Error::InvalidConfig(format!(
+                "endpoint {e:?} is empty; give host:port, http://host:port or https://host:port"
+            )));
+        }
         if self.prefix.is_empty() {
-            return Err(EtcdError::InvalidConfig(
+            return Err(Error::InvalidConfig(
                 "the key prefix must not be empty (the default is \"/leasehold/\")".into(),
             ));
         }
@@ -143,15 +208,13 @@ impl EtcdConfig {
             ("keep-alive interval", self.keep_alive),
         ] {
             if d.is_zero() {
-                return Err(EtcdError::InvalidConfig(format!(
-                    "the {name} must not be zero"
-                )));
+                return Err(Error::InvalidConfig(format!("the {name} must not be zero")));
             }
         }
         if let Some(c) = &self.credentials
             && c.user.is_empty()
         {
-            return Err(EtcdError::InvalidConfig(
+            return Err(Error::InvalidConfig(
                 "the user name must not be empty".into(),
             ));
         }
@@ -233,13 +296,10 @@ impl TlsConfig {
     /// Reads the CA certificate and, if given, the client certificate and key from PEM files.
     ///
     /// # Errors
-    /// [`EtcdError::ReadFile`] naming the file that could not be read.
-    pub fn from_files(
-        ca: impl AsRef<Path>,
-        client: Option<(&Path, &Path)>,
-    ) -> Result<Self, EtcdError> {
+    /// [`Error::ReadFile`] naming the file that could not be read.
+    pub fn from_files(ca: impl AsRef<Path>, client: Option<(&Path, &Path)>) -> Result<Self, Error> {
         let read = |what: &'static str, p: &Path| {
-            std::fs::read(p).map_err(|source| EtcdError::ReadFile {
+            std::fs::read(p).map_err(|source| Error::ReadFile {
                 what,
                 path: p.to_owned(),
                 source,
@@ -283,5 +343,17 @@ impl fmt::Debug for TlsConfig {
             )
             .field("domain_name", &self.domain_name)
             .finish()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_default_operation_timeout_is_below_the_default_renew_deadline() {
+        let key = leasehold::LeaseKey::new("k").expect("valid key");
+        let elector = leasehold::ElectorConfig::new(key, "id");
+        assert!(DEFAULT_OPERATION_TIMEOUT < elector.renew_deadline);
     }
 }

@@ -7,13 +7,16 @@ use etcd_client::Error as ClientError;
 
 use crate::STORE;
 
-/// Errors of this crate that arise before a store exists (configuration, certificate files).
+/// What can go wrong while configuring and connecting an [`EtcdStore`](crate::EtcdStore)
+/// (configuration, certificate files, reaching the servers).
 ///
 /// Everything a [`LeaseStore`](leasehold::LeaseStore) operation returns is a
-/// [`leasehold::Error`]; this type converts into one with `From`.
+/// [`leasehold::Error`]; this type converts into one with `From`: [`Error::Connect`] into the
+/// error it carries, every other variant into [`leasehold::Error::InvalidConfig`] with its
+/// message.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
-pub enum EtcdError {
+pub enum Error {
     /// A configuration value is missing or inconsistent.
     #[error("invalid etcd configuration: {0}")]
     InvalidConfig(String),
@@ -30,15 +33,19 @@ pub enum EtcdError {
         source: std::io::Error,
     },
 
-    /// Connecting (and, with credentials, authenticating) failed.
+    /// Reaching or authenticating to etcd failed at connect:
+    /// [`leasehold::Error::Unavailable`] naming the endpoints (none answered in time),
+    /// [`leasehold::Error::Unauthenticated`] (rejected credentials),
+    /// [`leasehold::Error::PermissionDenied`] (the user may not read the prefix), or a
+    /// non-retryable [`leasehold::Error::Store`] naming a TLS problem.
     #[error(transparent)]
     Connect(leasehold::Error),
 }
 
-impl From<EtcdError> for leasehold::Error {
-    fn from(e: EtcdError) -> Self {
+impl From<Error> for leasehold::Error {
+    fn from(e: Error) -> Self {
         match e {
-            EtcdError::Connect(e) => e,
+            Error::Connect(e) => e,
             other => leasehold::Error::InvalidConfig(other.to_string()),
         }
     }

@@ -13,6 +13,10 @@
 //! # let _ = current; Ok(()) }
 //! ```
 //!
+//! A complete program with two candidates and a leader task is the `etcd` example
+//! (`cargo run -p leasehold-etcd --example etcd`, against `http://127.0.0.1:2379` or the
+//! comma-separated `LEASEHOLD_ETCD_ENDPOINTS`).
+//!
 //! # How records are kept
 //!
 //! - A lease `key` is the etcd key `<prefix><key>` (default prefix `/leasehold/`; a prefix
@@ -60,9 +64,14 @@
 //!
 //! # Failures and timeouts
 //!
-//! Every operation is bounded by the operation timeout ([`leasehold::Error::Timeout`]).
+//! [`EtcdStore::connect`] reads the key prefix once (a bounded, count-only range read), so an
+//! unreachable endpoint, wrong credentials or a missing permission fail there, naming the
+//! endpoints, instead of leaving an elector without a leader.
+//!
+//! Every operation is bounded by the operation timeout ([`leasehold::Error::Timeout`]), which
+//! the store reports in its [`Capabilities`](leasehold::Capabilities).
 //! Connection failures, "no leader" and "leader changed" are
-//! [`leasehold::Error::Unavailable`] (retryable). Wrong credentials are
+//! [`leasehold::Error::Unavailable`] (retryable), and their messages name the endpoints. Wrong credentials are
 //! [`leasehold::Error::Unauthenticated`], missing permissions
 //! [`leasehold::Error::PermissionDenied`], each with a hint on what to fix. A server
 //! certificate that does not verify is a non-retryable [`leasehold::Error::Store`] naming the
@@ -72,7 +81,8 @@
 //!
 //! # Security
 //!
-//! TLS with a custom CA and client certificates ([`TlsConfig`]) and etcd's user/password
+//! TLS with a custom CA and client certificates ([`EtcdConfig::with_tls_ca_pem`],
+//! [`EtcdConfig::with_tls_client_identity_pem`], or a [`TlsConfig`]) and etcd's user/password
 //! authentication ([`EtcdConfig::with_user`]). Passwords and private keys never appear in
 //! `Debug` output, errors or logs.
 //!
@@ -87,10 +97,18 @@ mod error;
 mod store;
 mod watch;
 
-pub use config::{DEFAULT_PREFIX, EtcdConfig, TlsConfig};
-pub use error::EtcdError;
+pub use config::{
+    DEFAULT_CONNECT_TIMEOUT, DEFAULT_KEEP_ALIVE, DEFAULT_OPERATION_TIMEOUT, DEFAULT_PREFIX,
+    EtcdConfig, TlsConfig,
+};
+pub use error::Error;
 pub use etcd_client;
 pub use store::{EtcdStore, revision};
 
 /// The store's name in errors and logs.
 pub(crate) const STORE: &str = "etcd";
+
+/// The README's code blocks, compiled as doctests (not part of the API).
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+struct ReadmeDoctests;

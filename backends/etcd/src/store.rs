@@ -18,7 +18,7 @@ use leasehold::{
 
 use crate::STORE;
 use crate::config::EtcdConfig;
-use crate::error::{EtcdError, from_client};
+use crate::error::{Error as ConfigError, from_client};
 
 /// A [`LeaseStore`] on etcd.
 ///
@@ -47,6 +47,8 @@ pub struct EtcdStore {
     pub(crate) client: Client,
     pub(crate) prefix: String,
     pub(crate) timeout: Duration,
+    /// The configured endpoints, comma-separated, for error messages.
+    pub(crate) endpoints: Arc<str>,
     config: EtcdConfig,
     /// Per key: the term of the last record this store wrote.
     acquisitions: Arc<Mutex<HashMap<LeaseKey, Term>>>,
@@ -76,17 +78,22 @@ pub fn revision(version: &Version) -> Option<i64> {
 // === impl EtcdStore ===
 
 impl EtcdStore {
-    /// Connects to etcd. With credentials it authenticates right away, so wrong credentials fail
-    /// here; without them the connection is made lazily by the first operation.
+    /// Validates `config`, connects to etcd (authenticating right away when it has
+    /// credentials) and reads the key prefix once (a count-only range read bounded by the
+    /// connect timeout plus the operation timeout), so that an unreachable endpoint, wrong
+    /// credentials or a user that may not read the prefix fail here, naming the endpoints,
+    /// instead of leaving an elector without a leader.
     ///
     /// # Errors
-    /// [`EtcdError::InvalidConfig`] for a bad configuration, [`EtcdError::Connect`] carrying
-    /// [`Error::Unauthenticated`], [`Error::Unavailable`] or [`Error::Timeout`] when connecting
-    /// or authenticating failed.
+    /// [`crate::Error::InvalidConfig`] for a bad configuration;
+    /// [`crate::Error::Connect`] carrying [`Error::Unavailable`] naming
+    /// the endpoints when none answered in time, [`Error::Unauthenticated`] for rejected
+    /// credentials, [`Error::PermissionDenied`] when the user may not read the prefix, or a
+    /// non-retryable [`Error::Store`] naming a TLS problem.
     ///
     /// # Cancel safety
-    /// Cancel safe: dropping the future only abandons the connection attempt.
-    pub async fn connect(config: EtcdConfig) -> std::result::Result<Self, EtcdError> {
+    /// Cancel safe: dropping the future only abandons the connection attempt and the probe.
+    pub async fn connect(config: EtcdConfig) -> std::result::Result<Self, ConfigError> {
         config.validate()?;
         let mut options = ConnectOptions::new()
             .with_connect_timeout(config.connect_timeout)
@@ -102,30 +109,46 @@ impl EtcdStore {
         if let Some(tls) = &config.tls {
             options = options.with_tls(tls.to_options());
         }
-        // Authentication (with credentials) happens inside connect; bound it like any operation.
+        let endpoints: Arc<str> = config.endpoints.join(", ").into();
+        // Authentication (with credentials) happens inside connect; bound it like the probe.
         let limit = config.connect_timeout + config.operation_timeout;
         let client =
             match tokio::time::timeout(limit, Client::connect(&config.endpoints, Some(options)))
                 .await
             {
                 Ok(Ok(c)) => c,
-                Ok(Err(e)) => return Err(EtcdError::Connect(from_client("connect", e))),
-                Err(_) => {
-                    return Err(EtcdError::Connect(Error::Timeout {
-                        store: STORE,
-                        operation: "connect",
-                        after: limit,
-                    }));
+                Ok(Err(e)) => {
+                    let e = with_endpoints(from_client("connect", e), &endpoints);
+                    return Err(ConfigError::Connect(e));
                 }
+                Err(_) => return Err(ConfigError::Connect(no_answer(&endpoints, limit))),
             };
-        tracing::debug!(endpoints = ?config.endpoints, prefix = %config.prefix, "connected to etcd");
-        Ok(EtcdStore {
+        let store = EtcdStore {
             client,
             prefix: config.prefix.clone(),
             timeout: config.operation_timeout,
+            endpoints,
             config,
             acquisitions: Arc::default(),
-        })
+        };
+        // The client connects lazily: without this read, a wrong port would only show up as an
+        // elector that never finds a leader.
+        let probe = store
+            .bounded_for("connect", limit, || {
+                let (mut kv, prefix) = (store.client.kv_client(), store.prefix.clone());
+                let options = GetOptions::new().with_prefix().with_count_only();
+                async move { kv.get(prefix, Some(options)).await }
+            })
+            .await;
+        match probe {
+            Ok(_) => {}
+            Err(Error::Timeout { after, .. }) => {
+                return Err(ConfigError::Connect(no_answer(&store.endpoints, after)));
+            }
+            Err(e) => return Err(ConfigError::Connect(e)),
+        }
+        tracing::debug!(endpoints = %store.endpoints, prefix = %store.prefix, "connected to etcd");
+        Ok(store)
     }
 
     /// The etcd revision of the write that acquired the term with fencing token `transitions`
@@ -227,7 +250,22 @@ impl EtcdStore {
     /// A call that failed to *connect* (so it never reached a server) is repeated on another
     /// endpoint within the same time bound: the client's balancer may still pick a member that
     /// just went down. Nothing else is retried here.
-    pub(crate) async fn bounded<T, F, Fut>(&self, operation: &'static str, mut call: F) -> Result<T>
+    pub(crate) async fn bounded<T, F, Fut>(&self, operation: &'static str, call: F) -> Result<T>
+    where
+        F: FnMut() -> Fut,
+        Fut: Future<Output = std::result::Result<T, etcd_client::Error>>,
+    {
+        self.bounded_for(operation, self.timeout, call).await
+    }
+
+    /// [`bounded`](Self::bounded) with another time limit. An [`Error::Unavailable`] names the
+    /// configured endpoints.
+    async fn bounded_for<T, F, Fut>(
+        &self,
+        operation: &'static str,
+        limit: Duration,
+        mut call: F,
+    ) -> Result<T>
     where
         F: FnMut() -> Fut,
         Fut: Future<Output = std::result::Result<T, etcd_client::Error>>,
@@ -242,18 +280,25 @@ impl EtcdStore {
                         tracing::debug!(operation, error = %crate::error::chain(&e), "etcd endpoint unreachable; trying another");
                         tokio::time::sleep(Duration::from_millis(10 * u64::from(tries))).await;
                     }
-                    Err(e) => return Err(from_client(operation, e)),
+                    Err(e) => {
+                        return Err(with_endpoints(from_client(operation, e), &self.endpoints));
+                    }
                 }
             }
         };
-        match tokio::time::timeout(self.timeout, attempts).await {
+        match tokio::time::timeout(limit, attempts).await {
             Ok(r) => r,
             Err(_) => Err(Error::Timeout {
                 store: STORE,
                 operation,
-                after: self.timeout,
+                after: limit,
             }),
         }
+    }
+
+    /// `e` with the endpoints in its message when it is [`Error::Unavailable`].
+    pub(crate) fn at_endpoints(&self, e: Error) -> Error {
+        with_endpoints(e, &self.endpoints)
     }
 
     /// Compare-and-swap: `op` runs only when the key's `mod_revision` is `expected`; otherwise a
@@ -315,6 +360,35 @@ impl EtcdStore {
 
 const MAX_CONNECT_RETRIES: u32 = 8;
 
+/// `e` with the endpoints in its message when it is [`Error::Unavailable`], so that an
+/// unreachable or misconfigured endpoint can be found from the error alone.
+fn with_endpoints(e: Error, endpoints: &str) -> Error {
+    match e {
+        Error::Unavailable {
+            store,
+            message,
+            source,
+        } => Error::Unavailable {
+            store,
+            message: format!("{message} (etcd endpoints: {endpoints})"),
+            source,
+        },
+        other => other,
+    }
+}
+
+/// No endpoint answered the connect probe within `after`.
+fn no_answer(endpoints: &str, after: Duration) -> Error {
+    Error::Unavailable {
+        store: STORE,
+        message: format!(
+            "no answer from etcd at {endpoints} within {after:?} (is etcd running there? check \
+             the endpoints' hosts, ports and http/https scheme)"
+        ),
+        source: None,
+    }
+}
+
 /// Whether the call failed before reaching any server (the connection could not be made), so
 /// repeating it cannot apply a write twice.
 fn is_connect_error(e: &etcd_client::Error) -> bool {
@@ -357,7 +431,7 @@ impl LeaseStore for EtcdStore {
     }
 
     fn capabilities(&self) -> Capabilities {
-        Capabilities::WATCH
+        Capabilities::WATCH.with_operation_timeout(self.timeout)
     }
 
     async fn get(&self, key: &LeaseKey) -> Result<Option<Versioned>> {

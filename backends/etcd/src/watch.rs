@@ -156,11 +156,11 @@ async fn establish(
             Opened::Compacted => st.resync = true,
         }
     }
-    Err(Error::Unavailable {
+    Err(store.at_endpoints(Error::Unavailable {
         store: STORE,
         message: format!("watch {key}: the revision history kept being compacted under the watch"),
         source: None,
-    })
+    }))
 }
 
 /// Reads the key and delivers its state if it is newer than what was delivered.
@@ -209,17 +209,17 @@ async fn open(store: &EtcdStore, key: &LeaseKey, from: i64) -> Result<Opened> {
         })
         .await?;
     let Some(resp) = first else {
-        return Err(Error::Unavailable {
+        return Err(store.at_endpoints(Error::Unavailable {
             store: STORE,
             message: format!("watch {key}: the stream ended before the watch was created"),
             source: None,
-        });
+        }));
     };
     if resp.compact_revision() > 0 {
         return Ok(Opened::Compacted);
     }
     if resp.canceled() {
-        return Err(canceled(key, &resp));
+        return Err(store.at_endpoints(canceled(key, &resp)));
     }
     Ok(Opened::Stream(Box::new(stream)))
 }
@@ -301,7 +301,7 @@ async fn run(
                     st.resync = true;
                     true
                 } else if resp.canceled() {
-                    let e = canceled(&key, &resp);
+                    let e = store.at_endpoints(canceled(&key, &resp));
                     tracing::debug!(key = %key, error = %e, "etcd watch canceled");
                     if !e.is_retryable() {
                         let _ = tx.send(Err(e)).await;

@@ -10,7 +10,7 @@ use common::{Etcd, ServerTls, record};
 use futures::StreamExt;
 use leasehold::{Error, KeyPrefix, LeaseKey, LeaseStore, WatchEvent};
 use leasehold_etcd::etcd_client::{Permission, TlsOptions};
-use leasehold_etcd::{EtcdConfig, EtcdError, EtcdStore, TlsConfig};
+use leasehold_etcd::{EtcdConfig, EtcdStore, TlsConfig};
 use rcgen::{
     BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, Issuer, KeyPair,
     KeyUsagePurpose,
@@ -110,22 +110,29 @@ async fn tls_with_client_certificates() {
     assert!(etcd.endpoints()[0].starts_with("https://"));
 
     // The right CA and a client certificate: everything works.
-    let tls = TlsConfig::new()
-        .with_ca_pem(p.ca_pem.clone())
-        .with_client_identity_pem(p.client_cert.clone(), p.client_key.clone());
-    let config = quick(EtcdConfig::new(etcd.endpoints()).with_tls(tls.clone()));
+    let config = quick(
+        EtcdConfig::new(etcd.endpoints())
+            .with_tls_ca_pem(p.ca_pem.clone())
+            .with_tls_client_identity_pem(p.client_cert.clone(), p.client_key.clone()),
+    );
     assert!(!format!("{config:?}").contains(&p.client_key));
     let store = EtcdStore::connect(config).await.unwrap();
     assert!(!format!("{store:?}").contains(&p.client_key));
     round_trip(&store).await;
+    // The same through a TlsConfig.
+    let tls = TlsConfig::new()
+        .with_ca_pem(p.ca_pem.clone())
+        .with_client_identity_pem(p.client_cert.clone(), p.client_key.clone());
+    let config = quick(EtcdConfig::new(etcd.endpoints()).with_tls(tls));
+    round_trip(&EtcdStore::connect(config).await.unwrap()).await;
 
-    // No client certificate: the server refuses the handshake.
-    let store = EtcdStore::connect(quick(
-        EtcdConfig::new(etcd.endpoints()).with_tls(TlsConfig::new().with_ca_pem(p.ca_pem.clone())),
+    // No client certificate: the server refuses the handshake, and connect says so.
+    let e: Error = EtcdStore::connect(quick(
+        EtcdConfig::new(etcd.endpoints()).with_tls_ca_pem(p.ca_pem.clone()),
     ))
     .await
-    .unwrap();
-    let e = store.get(&key("x")).await.unwrap_err();
+    .unwrap_err()
+    .into();
     eprintln!("without a client certificate: {e:?}");
     // TLS 1.3 reports the server's refusal after the handshake: the client sees either the
     // server's alert (a certificate error, not retryable, saying what to fix) or, when the
@@ -141,10 +148,11 @@ async fn tls_with_client_certificates() {
         ),
     }
 
-    // A server certificate from an unknown CA is rejected, the error says what to fix, and it
-    // is not retryable (as on every store): retrying cannot make the CA trust the server.
+    // A server certificate from an unknown CA is rejected at connect, the error says what to
+    // fix, and it is not retryable (as on every store): retrying cannot make the CA trust the
+    // server.
     let other = pki("lh-client");
-    let store = EtcdStore::connect(quick(
+    let e: Error = EtcdStore::connect(quick(
         EtcdConfig::new(etcd.endpoints()).with_tls(
             TlsConfig::new()
                 .with_ca_pem(other.ca_pem.clone())
@@ -152,32 +160,24 @@ async fn tls_with_client_certificates() {
         ),
     ))
     .await
-    .unwrap();
-    let k = key("x");
-    let results = [
-        store.get(&k).await.map(|_| ()),
-        store.create(&k, &record("a", 1)).await.map(|_| ()),
-        store.watch(&k, None).await.map(|_| ()),
-        store.fencing_seed(&k).await.map(|_| ()),
-    ];
-    for r in results {
-        let e = r.unwrap_err();
-        eprintln!("with the wrong CA: {e}");
-        assert!(matches!(e, Error::Store { .. }), "{e:?}");
-        assert!(!e.is_retryable(), "{e:?}");
-        let text = e.to_string();
-        assert!(
-            text.contains("not trusted by the configured CA") && text.contains("with_ca_pem"),
-            "{text}"
-        );
-    }
+    .unwrap_err()
+    .into();
+    eprintln!("with the wrong CA: {e}");
+    assert!(matches!(e, Error::Store { .. }), "{e:?}");
+    assert!(!e.is_retryable(), "{e:?}");
+    let text = e.to_string();
+    assert!(
+        text.contains("not trusted by the configured CA") && text.contains("with_ca_pem"),
+        "{text}"
+    );
 
     // Plain HTTP to a TLS endpoint does not work either.
     let plain = etcd.endpoints()[0].replace("https://", "http://");
-    let store = EtcdStore::connect(quick(EtcdConfig::new([plain])))
-        .await
-        .unwrap();
-    assert!(store.get(&key("x")).await.is_err());
+    assert!(
+        EtcdStore::connect(quick(EtcdConfig::new([plain])))
+            .await
+            .is_err()
+    );
     let _ = TlsOptions::new();
 }
 
@@ -215,14 +215,46 @@ async fn auth_with_a_role_limited_to_the_prefix() {
     );
     round_trip(&store).await;
 
-    // Outside it, every operation is a clear PermissionDenied.
-    let store = EtcdStore::connect(
+    // A prefix it may not read fails at connect, as a clear PermissionDenied.
+    let e = EtcdStore::connect(
         etcd.config()
             .with_prefix("/elsewhere/")
             .with_user("app", "app-secret-pw"),
     )
     .await
+    .unwrap_err();
+    match e {
+        leasehold_etcd::Error::Connect(e @ Error::PermissionDenied { .. }) => {
+            println!("connect without permission: {e}");
+            assert!(e.to_string().contains("permission"), "{e}");
+        }
+        other => panic!("expected Connect(PermissionDenied), got {other:?}"),
+    }
+
+    // A permission taken away after connect: every operation is a clear PermissionDenied.
+    let root = EtcdStore::connect(etcd.config().with_user("root", "root-secret-pw"))
+        .await
+        .unwrap();
+    let mut admin = root.client().clone();
+    admin
+        .role_grant_permission("lh-app", Permission::read_write("/later/").with_prefix())
+        .await
+        .unwrap();
+    let store = EtcdStore::connect(
+        etcd.config()
+            .with_prefix("/later/")
+            .with_user("app", "app-secret-pw"),
+    )
+    .await
     .unwrap();
+    admin
+        .role_revoke_permission(
+            "lh-app",
+            "/later/",
+            Some(leasehold_etcd::etcd_client::RoleRevokePermissionOptions::new().with_prefix()),
+        )
+        .await
+        .unwrap();
     let k = key("k");
     let results = [
         store.get(&k).await.map(|_| ()),
@@ -271,15 +303,15 @@ async fn wrong_or_missing_credentials_are_clear_errors() {
         .into();
     assert!(matches!(e, Error::Unauthenticated { .. }), "{e:?}");
 
-    // No credentials at all: operations say that the server wants them.
-    let store = EtcdStore::connect(etcd.config().with_prefix("/app/"))
+    // No credentials at all: connect says that the server wants them.
+    let e: Error = EtcdStore::connect(etcd.config().with_prefix("/app/"))
         .await
-        .unwrap();
-    let e = store.get(&key("k")).await.unwrap_err();
+        .unwrap_err()
+        .into();
     assert!(matches!(e, Error::Unauthenticated { .. }), "{e:?}");
     assert!(e.to_string().contains("with_user"), "{e}");
 
-    // EtcdError converts into the core error type.
-    let e: Error = EtcdError::InvalidConfig("x".into()).into();
+    // The crate's error converts into the core error type.
+    let e: Error = leasehold_etcd::Error::InvalidConfig("x".into()).into();
     assert!(matches!(e, Error::InvalidConfig(_)));
 }

@@ -7,13 +7,24 @@ use leasehold::{LeaseKey, Version};
 
 use crate::STORE_NAME;
 
-/// What can go wrong while setting up a [`KubeStore`](crate::KubeStore). Errors of store
-/// operations are [`leasehold::Error`]s.
+/// What can go wrong while configuring and connecting a [`KubeStore`](crate::KubeStore).
+///
+/// Errors of store operations are [`leasehold::Error`]s. This type converts into one with
+/// `From`: [`Error::Connect`] into the error it carries, every other variant into
+/// [`leasehold::Error::InvalidConfig`] with its message.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {
-    /// No Kubernetes client configuration could be found (no kubeconfig, not in a cluster).
-    #[error("cannot build a Kubernetes client from the environment: {0}")]
+    /// No Kubernetes client configuration could be found: no kubeconfig (`KUBECONFIG`,
+    /// `~/.kube/config`) and not in a cluster.
+    #[error(
+        "cannot find a Kubernetes client configuration (set KUBECONFIG, create ~/.kube/config, \
+         or run in a pod with a service account): {0}"
+    )]
+    Kubeconfig(#[source] kube::config::InferConfigError),
+
+    /// No Kubernetes client could be built from the configuration.
+    #[error("cannot build a Kubernetes client from the configuration: {0}")]
     Client(#[source] kube::Error),
 
     /// A configuration value was out of range.
@@ -29,19 +40,21 @@ pub enum Error {
         /// The rule it breaks.
         rule: &'static str,
     },
+
+    /// Reaching the API server failed at connect: [`leasehold::Error::Unavailable`] naming the
+    /// server (not reachable, or no answer in time), [`leasehold::Error::Unauthenticated`]
+    /// (credentials refused) or [`leasehold::Error::PermissionDenied`] naming the missing RBAC
+    /// verb.
+    #[error(transparent)]
+    Connect(leasehold::Error),
 }
 
 impl From<Error> for leasehold::Error {
     fn from(e: Error) -> Self {
         match e {
+            Error::Connect(e) => e,
             Error::InvalidConfig(msg) => leasehold::Error::InvalidConfig(msg),
-            e @ Error::InvalidNamespace { .. } => leasehold::Error::InvalidConfig(e.to_string()),
-            Error::Client(source) => leasehold::Error::Store {
-                store: STORE_NAME,
-                message: format!("cannot build a Kubernetes client from the environment: {source}"),
-                retryable: false,
-                source: Some(Box::new(source)),
-            },
+            other => leasehold::Error::InvalidConfig(other.to_string()),
         }
     }
 }
@@ -81,6 +94,10 @@ impl Op {
 pub(crate) struct Ctx<'a> {
     pub(crate) op: Op,
     pub(crate) namespace: &'a str,
+    /// The API server's address, when the store knows it ([`KubeStore::connect`]).
+    ///
+    /// [`KubeStore::connect`]: crate::KubeStore::connect
+    pub(crate) server: Option<&'a str>,
     pub(crate) key: Option<&'a LeaseKey>,
     pub(crate) expected: Option<&'a Version>,
 }
@@ -88,6 +105,14 @@ pub(crate) struct Ctx<'a> {
 impl Ctx<'_> {
     fn key_string(&self) -> String {
         self.key.map(ToString::to_string).unwrap_or_default()
+    }
+
+    /// ` (Kubernetes API server at …)` when the server's address is known, for messages of
+    /// errors that say it could not be reached.
+    fn at_server(&self) -> String {
+        self.server
+            .map(|s| format!(" (Kubernetes API server at {s})"))
+            .unwrap_or_default()
     }
 }
 
@@ -154,7 +179,12 @@ pub(crate) fn map_status(status: &Status, ctx: &Ctx<'_>) -> leasehold::Error {
         },
         408 | 429 | 500..=599 => leasehold::Error::Unavailable {
             store: STORE_NAME,
-            message: format!("{} failed with HTTP {}: {msg}", ctx.op.name(), status.code),
+            message: format!(
+                "{} failed with HTTP {}: {msg}{}",
+                ctx.op.name(),
+                status.code,
+                ctx.at_server()
+            ),
             source: None,
         },
         _ => leasehold::Error::Store {
@@ -189,7 +219,7 @@ pub(crate) fn map_kube(err: kube::Error, ctx: &Ctx<'_>) -> leasehold::Error {
         | kube::Error::LinesCodecMaxLineLengthExceeded
         | kube::Error::FromUtf8(_)) => leasehold::Error::Unavailable {
             store: STORE_NAME,
-            message: format!("{} request failed: {e}", ctx.op.name()),
+            message: format!("{} request failed: {e}{}", ctx.op.name(), ctx.at_server()),
             source: Some(Box::new(e)),
         },
         e @ kube::Error::SerdeError(_) => leasehold::Error::Store {
@@ -240,6 +270,7 @@ mod tests {
         let ctx = Ctx {
             op: Op::Update,
             namespace: "ns",
+            server: None,
             key: None,
             expected: None,
         };

@@ -9,20 +9,23 @@
 //! ```no_run
 //! # async fn demo() -> leasehold::Result<()> {
 //! use leasehold::{LeaseKey, LeaseStore};
-//! use leasehold_kube::{KubeStore, KubeStoreConfig};
+//! use leasehold_kube::{KubeConfig, KubeStore};
 //!
 //! // Kubeconfig or in-cluster service account, namespace from the environment.
-//! let store = KubeStore::from_env(KubeStoreConfig::default()).await?;
+//! let store = KubeStore::connect(KubeConfig::new()).await?;
 //! let current = store.get(&LeaseKey::new("my-controller")?).await?;
 //! # Ok(()) }
 //! ```
+//!
+//! A complete program with two candidates and a leader task is the `kube` example
+//! (`cargo run -p leasehold-kube --example kube`, against the current kubeconfig).
 //!
 //! # Operations
 //!
 //! | store operation | Kubernetes request | RBAC verb |
 //! |---|---|---|
 //! | `get` | `GET .../leases/{key}` | `get` |
-//! | `create` | `POST .../leases` (labels from [`KubeStoreConfig::labels`]) | `create` |
+//! | `create` | `POST .../leases` (labels from [`KubeConfig::with_label`]) | `create` |
 //! | `update` | `PUT .../leases/{key}` carrying the expected `resourceVersion` and the Lease's `uid` (plus a `GET` first when the store has not seen that version, and after a 409) | `update` (and `get`) |
 //! | `delete` | `DELETE .../leases/{key}` with a `resourceVersion` precondition | `delete` |
 //! | `watch` | `GET .../leases?watch=1&fieldSelector=metadata.name={key}&allowWatchBookmarks=true&resourceVersion=…` (plus a `list` to start) | `watch`, `list` |
@@ -35,7 +38,7 @@
 //! naming the missing verb, resource and namespace; 422/400 → [`leasehold::Error::Invalid`] with
 //! the server's message; 408/429/5xx and connection failures → retryable
 //! [`leasehold::Error::Unavailable`]; a request that takes longer than
-//! [`KubeStoreConfig::request_timeout`] → [`leasehold::Error::Timeout`]. A Lease whose spec is not
+//! the operation timeout ([`KubeConfig::with_operation_timeout`]) → [`leasehold::Error::Timeout`]. A Lease whose spec is not
 //! a lease record (a negative `leaseDurationSeconds`, a malformed time) →
 //! [`leasehold::Error::Corrupt`] with the key and resourceVersion; a Lease without a spec reads
 //! as vacant, as client-go reads it.
@@ -63,7 +66,8 @@
 //! any failed write. Other users of the store must do the same.
 //!
 //! The minimal RBAC (a Role and RoleBinding in one namespace) ships in `deploy/rbac.yaml`; the
-//! README says what fails without each verb.
+//! README says what fails without each verb. [`KubeStore::connect`] lists Leases once (at most
+//! one), so a missing `list` verb, wrong credentials or an unreachable API server fail there.
 //!
 //! # k8s-openapi version
 //!
@@ -97,71 +101,141 @@ use error::{Ctx, Op, map_kube, timeout};
 /// The store's name in errors and logs.
 pub const STORE_NAME: &str = "kubernetes";
 
-/// Settings of a [`KubeStore`].
+/// The default bound on one store operation.
+pub const DEFAULT_OPERATION_TIMEOUT: Duration = Duration::from_secs(4);
+
+/// The default bound on connecting to the API server, for the client
+/// [`KubeStore::connect`] builds.
+pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// The default duration of one watch request.
+pub const DEFAULT_WATCH_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// Settings of a [`KubeStore`]: namespace, labels and timeouts. Not a kubeconfig: where the API
+/// server is and how to authenticate come from the `kube::Client` (or, for
+/// [`KubeStore::connect`], from the environment).
+///
+/// The `with_*` setters never fail; [`KubeStore::connect`] and [`KubeStore::new`] validate the
+/// whole configuration.
+///
+/// ```
+/// use std::time::Duration;
+/// use leasehold_kube::KubeConfig;
+/// let config = KubeConfig::new()
+///     .with_namespace("kube-system")
+///     .with_label("app.kubernetes.io/managed-by", "my-controller")
+///     .with_operation_timeout(Duration::from_secs(2));
+/// assert_eq!(config.namespace(), Some("kube-system"));
+/// ```
 #[derive(Clone, Debug)]
-#[non_exhaustive]
-pub struct KubeStoreConfig {
-    /// The namespace the Leases live in; `None` takes the client's default namespace (the
-    /// kubeconfig context's namespace, or the pod's namespace in a cluster).
-    pub namespace: Option<String>,
-    /// Labels put on Leases this store creates (k0s labels its controller leases this way).
-    pub labels: BTreeMap<String, String>,
-    /// The bound on every request (default 4 s). Keep it below the elector's renew deadline so a
-    /// hung API server turns into a retryable [`leasehold::Error::Timeout`] in time.
-    pub request_timeout: Duration,
-    /// How long one watch request lasts before the store renews it (server-side
-    /// `timeoutSeconds`, 1 s to 290 s, default 60 s). A watch that stays silent (not even a bookmark) for this
-    /// long plus [`request_timeout`](Self::request_timeout) is considered dead and resumed.
-    pub watch_timeout: Duration,
+pub struct KubeConfig {
+    namespace: Option<String>,
+    labels: BTreeMap<String, String>,
+    operation_timeout: Duration,
+    connect_timeout: Duration,
+    watch_timeout: Duration,
 }
 
-impl Default for KubeStoreConfig {
+impl Default for KubeConfig {
     fn default() -> Self {
-        KubeStoreConfig {
+        KubeConfig {
             namespace: None,
             labels: BTreeMap::new(),
-            request_timeout: Duration::from_secs(4),
-            watch_timeout: Duration::from_secs(60),
+            operation_timeout: DEFAULT_OPERATION_TIMEOUT,
+            connect_timeout: DEFAULT_CONNECT_TIMEOUT,
+            watch_timeout: DEFAULT_WATCH_TIMEOUT,
         }
     }
 }
 
-impl KubeStoreConfig {
-    /// Sets the namespace.
-    pub fn namespace(mut self, namespace: impl Into<String>) -> Self {
+impl KubeConfig {
+    /// The defaults: the client's namespace, no labels, a 4 s operation timeout, a 5 s connect
+    /// timeout and 60 s watch requests.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// The namespace the Leases live in (an RFC 1123 label). Without it the store takes the
+    /// client's default namespace (the kubeconfig context's namespace, or the pod's namespace
+    /// in a cluster).
+    pub fn with_namespace(mut self, namespace: impl Into<String>) -> Self {
         self.namespace = Some(namespace.into());
         self
     }
 
-    /// Adds a label to put on created Leases.
-    pub fn label(mut self, key: impl Into<String>, value: impl Into<String>) -> Self {
+    /// Adds a label to put on Leases this store creates (k0s labels its controller leases this
+    /// way).
+    pub fn with_label(mut self, key: impl Into<String>, value: impl Into<String>) -> Self {
         self.labels.insert(key.into(), value.into());
         self
     }
 
-    /// Sets the per-request timeout.
-    pub fn request_timeout(mut self, timeout: Duration) -> Self {
-        self.request_timeout = timeout;
+    /// The bound on every store operation (default 4 s), all its requests included; a slower
+    /// one fails with a retryable [`leasehold::Error::Timeout`]. The store reports it in its
+    /// [`Capabilities`], and [`leasehold::Elector::spawn`] refuses a
+    /// `renew_deadline` that is not longer. `list` bounds each page by it.
+    pub fn with_operation_timeout(mut self, timeout: Duration) -> Self {
+        self.operation_timeout = timeout;
         self
     }
 
-    /// Sets the watch request duration.
-    pub fn watch_timeout(mut self, timeout: Duration) -> Self {
+    /// The bound on opening a connection to the API server (default 5 s), for the client
+    /// [`KubeStore::connect`] and [`KubeStore::connect_with`] build. A client given to
+    /// [`KubeStore::new`] keeps its own.
+    pub fn with_connect_timeout(mut self, timeout: Duration) -> Self {
+        self.connect_timeout = timeout;
+        self
+    }
+
+    /// How long one watch request lasts before the store renews it (server-side
+    /// `timeoutSeconds`, 1 s to 290 s, default 60 s). A watch that stays silent (not even a
+    /// bookmark) for this long plus the operation timeout is considered dead and resumed.
+    pub fn with_watch_timeout(mut self, timeout: Duration) -> Self {
         self.watch_timeout = timeout;
         self
     }
 
+    /// The configured namespace, if any.
+    pub fn namespace(&self) -> Option<&str> {
+        self.namespace.as_deref()
+    }
+
+    /// The labels put on created Leases.
+    pub fn labels(&self) -> &BTreeMap<String, String> {
+        &self.labels
+    }
+
+    /// The bound on one store operation.
+    pub fn operation_timeout(&self) -> Duration {
+        self.operation_timeout
+    }
+
+    /// The bound on connecting to the API server.
+    pub fn connect_timeout(&self) -> Duration {
+        self.connect_timeout
+    }
+
+    /// The duration of one watch request.
+    pub fn watch_timeout(&self) -> Duration {
+        self.watch_timeout
+    }
+
     fn validate(&self) -> std::result::Result<(), Error> {
-        if self.request_timeout.is_zero() {
+        if self.operation_timeout.is_zero() {
             return Err(Error::InvalidConfig(
-                "request_timeout must be positive".into(),
+                "the operation timeout must not be zero".into(),
+            ));
+        }
+        if self.connect_timeout.is_zero() {
+            return Err(Error::InvalidConfig(
+                "the connect timeout must not be zero".into(),
             ));
         }
         if self.watch_timeout < Duration::from_secs(1)
             || self.watch_timeout > Duration::from_secs(290)
         {
             return Err(Error::InvalidConfig(format!(
-                "watch_timeout must be between 1 s and 290 s, got {:?}",
+                "the watch timeout must be between 1 s and 290 s, got {:?}",
                 self.watch_timeout
             )));
         }
@@ -211,8 +285,11 @@ pub struct KubeStore {
 pub(crate) struct Inner {
     api: Api<DynamicObject>,
     namespace: String,
+    /// The API server's address, when the store built its client ([`KubeStore::connect`]);
+    /// named in the message of every [`leasehold::Error::Unavailable`].
+    server: Option<String>,
     labels: BTreeMap<String, String>,
-    request_timeout: Duration,
+    operation_timeout: Duration,
     watch_timeout: Duration,
     /// The last object seen per key, so that an update keeps the Lease's metadata (labels,
     /// annotations, owner references) and foreign spec fields, as client-go's get-then-update
@@ -223,9 +300,10 @@ pub(crate) struct Inner {
 impl fmt::Debug for KubeStore {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("KubeStore")
+            .field("server", &self.inner.server)
             .field("namespace", &self.inner.namespace)
             .field("labels", &self.inner.labels)
-            .field("request_timeout", &self.inner.request_timeout)
+            .field("operation_timeout", &self.inner.operation_timeout)
             .field("watch_timeout", &self.inner.watch_timeout)
             .finish_non_exhaustive()
     }
@@ -236,12 +314,73 @@ fn lease_resource() -> ApiResource {
 }
 
 impl KubeStore {
-    /// A store using `client` (its credentials and TLS settings).
+    /// [`LeaseStore::update`] without the overall bound.
+    async fn update_unbounded(
+        &self,
+        key: &LeaseKey,
+        record: &LeaseRecord,
+        expected: &Version,
+    ) -> Result<Version> {
+        let inner = &self.inner;
+        // The object at `expected`: seen before (get, list, watch, create, update), or read now.
+        // Its uid goes into the PUT as a precondition.
+        let base = match inner.seen_at(key, expected) {
+            Some(obj) => obj,
+            None => {
+                let current = inner
+                    .bounded(Op::Get, Some(key), None, inner.api.get_opt(key.as_str()))
+                    .await?;
+                let Some(obj) = current else {
+                    inner.forget(key);
+                    return Err(leasehold::Error::NotFound {
+                        key: key.to_string(),
+                    });
+                };
+                inner.remember(key, &obj);
+                if mapping::object_version(&obj).as_ref() != Some(expected) {
+                    return Err(leasehold::Error::Conflict {
+                        key: key.to_string(),
+                        expected: expected.clone(),
+                    });
+                }
+                obj
+            }
+        };
+        let obj = inner.object_for_update(key, record, expected, base)?;
+        let params = PostParams::default();
+        let put = inner.api.replace(key.as_str(), &params, &obj);
+        let updated = match tokio::time::timeout(inner.operation_timeout, put).await {
+            Err(_) => return Err(timeout(Op::Update, inner.operation_timeout)),
+            Ok(Err(kube::Error::Api(status))) if status.code == 409 => {
+                return Err(inner.conflict_or_not_found(key, expected).await);
+            }
+            Ok(Err(e)) => {
+                return Err(map_kube(
+                    e,
+                    &inner.ctx(Op::Update, Some(key), Some(expected)),
+                ));
+            }
+            Ok(Ok(updated)) => updated,
+        };
+        inner.remember(key, &updated);
+        version_of(key, &updated)
+    }
+
+    /// A store using `client` (its credentials, TLS settings and connect timeout). It does not
+    /// contact the API server; [`connect`](Self::connect) does.
     ///
     /// # Errors
     /// [`Error::InvalidConfig`] when a setting is out of range; [`Error::InvalidNamespace`] when
     /// the namespace (configured, or the client's default) is not an RFC 1123 label.
-    pub fn new(client: kube::Client, config: KubeStoreConfig) -> std::result::Result<Self, Error> {
+    pub fn new(client: kube::Client, config: KubeConfig) -> std::result::Result<Self, Error> {
+        Self::build(client, config, None)
+    }
+
+    fn build(
+        client: kube::Client,
+        config: KubeConfig,
+        server: Option<String>,
+    ) -> std::result::Result<Self, Error> {
         config.validate()?;
         let namespace = config
             .namespace
@@ -252,31 +391,97 @@ impl KubeStore {
             inner: Arc::new(Inner {
                 api,
                 namespace,
+                server,
                 labels: config.labels,
-                request_timeout: config.request_timeout,
+                operation_timeout: config.operation_timeout,
                 watch_timeout: config.watch_timeout,
                 seen: Mutex::new(HashMap::new()),
             }),
         })
     }
 
-    /// A store with a client from the environment (`KUBECONFIG`/`~/.kube/config`, or the pod's
-    /// service account in a cluster), as `kube::Client::try_default` finds it.
+    /// Connects with a client from the environment, as `kube::Client::try_default` finds it
+    /// (`KUBECONFIG` or `~/.kube/config` and its current context, or the pod's service account
+    /// in a cluster), with the configured connect timeout, and checks that the API server
+    /// answers: one list of at most one Lease in the namespace, bounded by the connect timeout
+    /// plus the operation timeout. So an unreachable API server fails here naming its address,
+    /// and missing RBAC fails with the [`leasehold::Error::PermissionDenied`] that names the
+    /// verb, instead of leaving an elector without a leader.
     ///
     /// # Errors
-    /// [`Error::Client`] when no configuration is found; [`Error::InvalidConfig`].
+    /// [`Error::Kubeconfig`] when no client configuration is found; [`Error::Client`] when no
+    /// client can be built from it; [`Error::InvalidConfig`] and [`Error::InvalidNamespace`]
+    /// for settings out of range; [`Error::Connect`] carrying
+    /// [`leasehold::Error::Unavailable`] naming the API server when it cannot be reached,
+    /// [`leasehold::Error::Unauthenticated`] or [`leasehold::Error::PermissionDenied`] when it
+    /// refuses the credentials or the `list` verb on Leases.
     ///
     /// # Cancel safety
-    /// Cancel safe: it only reads configuration.
-    pub async fn from_env(config: KubeStoreConfig) -> std::result::Result<Self, Error> {
+    /// Cancel safe: dropping the future only abandons reading the configuration and the probe.
+    pub async fn connect(config: KubeConfig) -> std::result::Result<Self, Error> {
         config.validate()?;
-        let client = kube::Client::try_default().await.map_err(Error::Client)?;
-        Self::new(client, config)
+        let client_config = kube::Config::infer().await.map_err(Error::Kubeconfig)?;
+        Self::connect_with(client_config, config).await
+    }
+
+    /// [`connect`](Self::connect) with this client configuration instead of the environment's
+    /// (for example from `kube::Config::from_custom_kubeconfig`); the configured connect timeout
+    /// replaces the one in `client_config`.
+    ///
+    /// # Errors
+    /// As [`connect`](Self::connect), without [`Error::Kubeconfig`].
+    ///
+    /// # Cancel safety
+    /// Cancel safe: dropping the future only abandons the probe.
+    pub async fn connect_with(
+        mut client_config: kube::Config,
+        config: KubeConfig,
+    ) -> std::result::Result<Self, Error> {
+        config.validate()?;
+        client_config.connect_timeout = Some(config.connect_timeout);
+        let server = server_address(&client_config.cluster_url);
+        let limit = config.connect_timeout + config.operation_timeout;
+        let client = kube::Client::try_from(client_config).map_err(Error::Client)?;
+        let store = Self::build(client, config, Some(server.clone()))?;
+        let inner = &store.inner;
+        let params = ListParams::default().limit(1);
+        let probe = inner.api.list(&params);
+        match tokio::time::timeout(limit, probe).await {
+            Ok(Ok(_)) => {}
+            Ok(Err(e)) => {
+                return Err(Error::Connect(map_kube(
+                    e,
+                    &inner.ctx(Op::List, None, None),
+                )));
+            }
+            Err(_) => {
+                return Err(Error::Connect(leasehold::Error::Unavailable {
+                    store: STORE_NAME,
+                    message: format!(
+                        "no answer from the Kubernetes API server at {server} within {limit:?} \
+                         (check the server address in the kubeconfig and that it is reachable)"
+                    ),
+                    source: None,
+                }));
+            }
+        }
+        tracing::debug!(server = %server, namespace = %inner.namespace, "connected to the Kubernetes API server");
+        Ok(store)
     }
 
     /// The namespace the store's Leases live in.
     pub fn namespace(&self) -> &str {
         &self.inner.namespace
+    }
+}
+
+/// The API server's address for messages: scheme, host and port, never user information.
+fn server_address(uri: &http::Uri) -> String {
+    let scheme = uri.scheme_str().unwrap_or("https");
+    let host = uri.host().unwrap_or("<no host>");
+    match uri.port_u16() {
+        Some(port) => format!("{scheme}://{host}:{port}"),
+        None => format!("{scheme}://{host}"),
     }
 }
 
@@ -290,12 +495,13 @@ impl Inner {
         Ctx {
             op,
             namespace: &self.namespace,
+            server: self.server.as_deref(),
             key,
             expected,
         }
     }
 
-    /// Runs one request bounded by the request timeout.
+    /// Runs one request bounded by the operation timeout.
     async fn bounded<T>(
         &self,
         op: Op,
@@ -303,8 +509,8 @@ impl Inner {
         expected: Option<&Version>,
         fut: impl Future<Output = kube::Result<T>>,
     ) -> Result<T> {
-        match tokio::time::timeout(self.request_timeout, fut).await {
-            Err(_) => Err(timeout(op, self.request_timeout)),
+        match tokio::time::timeout(self.operation_timeout, fut).await {
+            Err(_) => Err(timeout(op, self.operation_timeout)),
             Ok(Err(e)) => Err(map_kube(e, &self.ctx(op, key, expected))),
             Ok(Ok(v)) => Ok(v),
         }
@@ -421,10 +627,10 @@ impl Inner {
             if let Some(token) = continue_token.take() {
                 params = params.continue_token(&token);
             }
-            let page = match tokio::time::timeout(self.request_timeout, self.api.list(&params))
+            let page = match tokio::time::timeout(self.operation_timeout, self.api.list(&params))
                 .await
             {
-                Err(_) => return Err(ListError::Other(timeout(Op::List, self.request_timeout))),
+                Err(_) => return Err(ListError::Other(timeout(Op::List, self.operation_timeout))),
                 Ok(Err(kube::Error::Api(status))) if continued && status.code == 410 => {
                     let e = error::map_status(&status, &self.ctx(Op::List, None, None));
                     return Err(ListError::ContinueExpired(e));
@@ -538,7 +744,7 @@ impl LeaseStore for KubeStore {
     }
 
     fn capabilities(&self) -> Capabilities {
-        Capabilities::WATCH
+        Capabilities::WATCH.with_operation_timeout(self.inner.operation_timeout)
     }
 
     async fn get(&self, key: &LeaseKey) -> Result<Option<Versioned>> {
@@ -579,55 +785,18 @@ impl LeaseStore for KubeStore {
         version_of(key, &created)
     }
 
+    /// Bounded as a whole by the operation timeout (a `GET` first, the `PUT`, a `GET` after a
+    /// 409).
     async fn update(
         &self,
         key: &LeaseKey,
         record: &LeaseRecord,
         expected: &Version,
     ) -> Result<Version> {
-        let inner = &self.inner;
-        // The object at `expected`: seen before (get, list, watch, create, update), or read now.
-        // Its uid goes into the PUT as a precondition.
-        let base = match inner.seen_at(key, expected) {
-            Some(obj) => obj,
-            None => {
-                let current = inner
-                    .bounded(Op::Get, Some(key), None, inner.api.get_opt(key.as_str()))
-                    .await?;
-                let Some(obj) = current else {
-                    inner.forget(key);
-                    return Err(leasehold::Error::NotFound {
-                        key: key.to_string(),
-                    });
-                };
-                inner.remember(key, &obj);
-                if mapping::object_version(&obj).as_ref() != Some(expected) {
-                    return Err(leasehold::Error::Conflict {
-                        key: key.to_string(),
-                        expected: expected.clone(),
-                    });
-                }
-                obj
-            }
-        };
-        let obj = inner.object_for_update(key, record, expected, base)?;
-        let params = PostParams::default();
-        let put = inner.api.replace(key.as_str(), &params, &obj);
-        let updated = match tokio::time::timeout(inner.request_timeout, put).await {
-            Err(_) => return Err(timeout(Op::Update, inner.request_timeout)),
-            Ok(Err(kube::Error::Api(status))) if status.code == 409 => {
-                return Err(inner.conflict_or_not_found(key, expected).await);
-            }
-            Ok(Err(e)) => {
-                return Err(map_kube(
-                    e,
-                    &inner.ctx(Op::Update, Some(key), Some(expected)),
-                ));
-            }
-            Ok(Ok(updated)) => updated,
-        };
-        inner.remember(key, &updated);
-        version_of(key, &updated)
+        let limit = self.inner.operation_timeout;
+        tokio::time::timeout(limit, self.update_unbounded(key, record, expected))
+            .await
+            .unwrap_or_else(|_| Err(timeout(Op::Update, limit)))
     }
 
     async fn delete(&self, key: &LeaseKey, expected: &Version) -> Result<()> {
@@ -716,4 +885,16 @@ mod tests {
             last = seed;
         }
     }
+
+    #[test]
+    fn the_default_operation_timeout_is_below_the_default_renew_deadline() {
+        let key = leasehold::LeaseKey::new("k").expect("valid key");
+        let elector = leasehold::ElectorConfig::new(key, "id");
+        assert!(DEFAULT_OPERATION_TIMEOUT < elector.renew_deadline);
+    }
 }
+
+/// The README's code blocks, compiled as doctests (not part of the API).
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+struct ReadmeDoctests;

@@ -6,7 +6,7 @@
 //! - `after = Some(v)`: the watch starts at `v`, so the server replays every change after it.
 //! - Bookmarks advance the resume point without delivering anything.
 //! - When the server ends a watch (its `timeoutSeconds`, a dropped connection, or silence
-//!   longer than the watch timeout plus the request timeout), the watch resumes from the last
+//!   longer than the watch timeout plus the operation timeout), the watch resumes from the last
 //!   resourceVersion seen: nothing is lost and nothing is repeated.
 //! - When the resume point has expired (410 Gone), the Lease is read again; its current state is
 //!   delivered if it differs from the last one delivered (changes in between are coalesced), and
@@ -101,6 +101,7 @@ impl Watcher {
         Ctx {
             op,
             namespace: &self.inner.namespace,
+            server: self.inner.server.as_deref(),
             key: Some(&self.key),
             expected: None,
         }
@@ -115,10 +116,10 @@ impl Watcher {
     async fn relist(&mut self) -> Result<()> {
         let params = ListParams::default().fields(&self.selector());
         let list =
-            match tokio::time::timeout(self.inner.request_timeout, self.inner.api.list(&params))
+            match tokio::time::timeout(self.inner.operation_timeout, self.inner.api.list(&params))
                 .await
             {
-                Err(_) => return Err(timeout(Op::List, self.inner.request_timeout)),
+                Err(_) => return Err(timeout(Op::List, self.inner.operation_timeout)),
                 Ok(Err(e)) => return Err(map_kube(e, &self.ctx(Op::List))),
                 Ok(Ok(list)) => list,
             };
@@ -188,8 +189,8 @@ impl Watcher {
         // server.
         for attempt in 0..2 {
             let fut = self.inner.api.watch(&params, &self.resume_from);
-            match tokio::time::timeout(self.inner.request_timeout, fut).await {
-                Err(_) => return Err(timeout(Op::Watch, self.inner.request_timeout)),
+            match tokio::time::timeout(self.inner.operation_timeout, fut).await {
+                Err(_) => return Err(timeout(Op::Watch, self.inner.operation_timeout)),
                 Ok(Err(kube::Error::Api(status))) if is_gone(&status) && attempt == 0 => {
                     // Some servers answer an expired resourceVersion with HTTP 410 directly.
                     self.relist().await?;
@@ -257,7 +258,7 @@ impl Watcher {
                     return self.fail(e);
                 }
             }
-            let idle = self.inner.watch_timeout + self.inner.request_timeout;
+            let idle = self.inner.watch_timeout + self.inner.operation_timeout;
             let Some(stream) = self.stream.as_mut() else {
                 continue;
             };

@@ -9,7 +9,7 @@ use std::time::{Duration, SystemTime};
 
 use futures::StreamExt;
 use leasehold::{LeaseKey, LeaseRecord, LeaseStore, Version, WatchEvent};
-use leasehold_kube::KubeStoreConfig;
+use leasehold_kube::KubeConfig;
 use leasehold_kube::mapping::record_to_spec;
 use serde_json::json;
 use support::{LeaseApiServer, NAMESPACE, store, store_with};
@@ -136,7 +136,7 @@ async fn stored_lease_is_what_client_go_would_store() {
     let s = store_with(
         &server,
         Some(support::ADMIN_TOKEN),
-        support::test_config().label("app.kubernetes.io/managed-by", "leasehold"),
+        support::test_config().with_label("app.kubernetes.io/managed-by", "leasehold"),
     );
     let rec = LeaseRecord {
         holder_identity: "node-b".into(),
@@ -212,7 +212,7 @@ async fn a_client_go_writer_and_the_store_see_each_other() {
     let s = store_with(
         &server,
         Some(support::ADMIN_TOKEN),
-        KubeStoreConfig::default().namespace(NAMESPACE),
+        KubeConfig::new().with_namespace(NAMESPACE),
     );
     let k = key("contended");
     let mut spec = client_go_lease("contended", "go-controller", 0);

@@ -3,10 +3,11 @@
 
 mod support;
 
+use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
 use leasehold::{Error, LeaseKey, LeaseRecord, LeaseStore, Version, WatchEvent};
-use leasehold_kube::{KubeStore, KubeStoreConfig};
+use leasehold_kube::{KubeConfig, KubeStore};
 use serde_json::json;
 use support::{LeaseApiServer, NAMESPACE, store, store_with, test_config};
 
@@ -195,7 +196,7 @@ async fn http_500_is_retryable_unavailable() {
     assert_eq!(s.get(&key("flaky")).await.expect("get"), None);
 }
 
-/// kube-rs itself retries 429/503/504 with backoff (inside the store's request timeout); a
+/// kube-rs itself retries 429/503/504 with backoff (inside the store's operation timeout); a
 /// server that keeps answering 503 ends as a retryable error.
 #[tokio::test]
 async fn http_503_is_retryable() {
@@ -236,9 +237,141 @@ async fn unreachable_server_is_retryable_unavailable() {
 }
 
 #[tokio::test]
+async fn connect_probes_the_server_and_names_it_when_unreachable() {
+    let server = LeaseApiServer::start().await;
+    // Reachable, with the admin token: connected.
+    let s = KubeStore::connect_with(
+        server.client_config(Some(support::ADMIN_TOKEN)),
+        test_config(),
+    )
+    .await
+    .expect("connect");
+    assert_eq!(s.namespace(), support::NAMESPACE);
+    let url = server.url();
+    let client_config = server.client_config(Some(support::ADMIN_TOKEN));
+    drop(server); // nothing listens on the port any more
+    // Operations of a connected store name the server too.
+    let err = s.get(&key("gone")).await.expect_err("no server");
+    assert!(matches!(err, Error::Unavailable { .. }), "{err:?}");
+    assert!(
+        err.to_string()
+            .contains(&format!("(Kubernetes API server at {url})")),
+        "{err}"
+    );
+    let err = KubeStore::connect_with(client_config, test_config())
+        .await
+        .expect_err("no server");
+    println!("{err}");
+    match &err {
+        leasehold_kube::Error::Connect(Error::Unavailable { message, .. }) => {
+            assert!(
+                message.contains(&format!("Kubernetes API server at {url}")),
+                "{message}"
+            );
+        }
+        other => panic!("expected Connect(Unavailable), got {other:?}"),
+    }
+    assert!(Error::from(err).is_retryable());
+}
+
+#[tokio::test]
+async fn connect_to_a_hung_server_fails_naming_it() {
+    let server = LeaseApiServer::start().await;
+    server.set_delay(Duration::from_secs(5));
+    let config = test_config()
+        .with_operation_timeout(Duration::from_millis(200))
+        .with_connect_timeout(Duration::from_millis(200));
+    let err = KubeStore::connect_with(server.client_config(Some(support::ADMIN_TOKEN)), config)
+        .await
+        .expect_err("hung server");
+    println!("{err}");
+    match &err {
+        leasehold_kube::Error::Connect(Error::Unavailable { message, .. }) => {
+            assert!(message.contains(&server.url()), "{message}");
+            assert!(message.contains("no answer"), "{message}");
+        }
+        other => panic!("expected Connect(Unavailable), got {other:?}"),
+    }
+    server.set_delay(Duration::ZERO);
+}
+
+#[tokio::test]
+async fn connect_without_the_list_verb_is_permission_denied_naming_it() {
+    let server = LeaseApiServer::start().await;
+    server.add_token(
+        "no-list",
+        "no-list-user",
+        &["get", "create", "update", "watch"],
+    );
+    let err = KubeStore::connect_with(server.client_config(Some("no-list")), test_config())
+        .await
+        .expect_err("no list permission");
+    println!("{err}");
+    match &err {
+        leasehold_kube::Error::Connect(Error::PermissionDenied { message, .. }) => {
+            assert!(
+                message.contains("missing RBAC permission: list leases.coordination.k8s.io"),
+                "{message}"
+            );
+            assert!(message.contains(support::NAMESPACE), "{message}");
+        }
+        other => panic!("expected Connect(PermissionDenied), got {other:?}"),
+    }
+    // No token at all: the credentials are refused at connect.
+    let err = KubeStore::connect_with(server.client_config(None), test_config())
+        .await
+        .expect_err("no credentials");
+    assert!(
+        matches!(
+            err,
+            leasehold_kube::Error::Connect(Error::Unauthenticated { .. })
+        ),
+        "{err:?}"
+    );
+}
+
+#[tokio::test]
+async fn the_store_reports_its_operation_timeout_and_the_elector_checks_it() {
+    let server = LeaseApiServer::start().await;
+    let s = store(&server);
+    let timeout = test_config().operation_timeout();
+    assert_eq!(s.capabilities().operation_timeout, Some(timeout));
+    let config = leasehold::ElectorConfig::new(key("timed"), "a").with_timings(
+        Duration::from_secs(2),
+        timeout,
+        Duration::from_millis(100),
+    );
+    let err = leasehold::Elector::spawn(Arc::new(s), config).expect_err("renew deadline too short");
+    assert!(matches!(err, Error::InvalidConfig(_)), "{err:?}");
+}
+
+#[tokio::test]
+async fn an_update_is_bounded_as_a_whole() {
+    // An update the store has not seen the version of makes a GET and then a PUT; each alone
+    // fits the operation timeout, both together do not.
+    let server = LeaseApiServer::start().await;
+    let writer = store(&server);
+    let k = key("bounded");
+    let v = writer.create(&k, &record("a")).await.expect("create");
+    let config = test_config().with_operation_timeout(Duration::from_millis(600));
+    let s = store_with(&server, Some(support::ADMIN_TOKEN), config);
+    server.set_delay(Duration::from_millis(400));
+    match s.update(&k, &record("b"), &v).await {
+        Err(e @ Error::Timeout { .. }) => {
+            assert!(
+                e.to_string().contains("update timed out after 600ms"),
+                "{e}"
+            );
+        }
+        other => panic!("expected Timeout, got {other:?}"),
+    }
+    server.set_delay(Duration::ZERO);
+}
+
+#[tokio::test]
 async fn hung_server_times_out() {
     let server = LeaseApiServer::start().await;
-    let config = test_config().request_timeout(Duration::from_millis(200));
+    let config = test_config().with_operation_timeout(Duration::from_millis(200));
     let s = store_with(&server, Some(support::ADMIN_TOKEN), config);
     server.set_delay(Duration::from_secs(5));
     match s.get(&key("slow")).await {
@@ -336,9 +469,9 @@ async fn records_that_do_not_fit_a_lease_are_invalid_before_any_request() {
 async fn invalid_configuration_is_rejected() {
     let server = LeaseApiServer::start().await;
     for config in [
-        KubeStoreConfig::default().request_timeout(Duration::ZERO),
-        KubeStoreConfig::default().watch_timeout(Duration::from_secs(1000)),
-        KubeStoreConfig::default().namespace(""),
+        KubeConfig::new().with_operation_timeout(Duration::ZERO),
+        KubeConfig::new().with_watch_timeout(Duration::from_secs(1000)),
+        KubeConfig::new().with_namespace(""),
     ] {
         let err = KubeStore::new(server.client(), config).expect_err("invalid");
         assert!(matches!(
@@ -372,7 +505,7 @@ async fn namespaces_that_are_not_rfc_1123_labels_are_rejected_at_construction() 
     ];
     let before = server.requests();
     for (ns, rule) in cases {
-        let err = KubeStore::new(server.client(), KubeStoreConfig::default().namespace(ns))
+        let err = KubeStore::new(server.client(), KubeConfig::new().with_namespace(ns))
             .expect_err("invalid namespace");
         match &err {
             leasehold_kube::Error::InvalidNamespace { namespace, rule: r } => {
@@ -384,7 +517,7 @@ async fn namespaces_that_are_not_rfc_1123_labels_are_rejected_at_construction() 
         assert!(matches!(Error::from(err), Error::InvalidConfig(m) if m.contains(rule)));
     }
     for ok in ["a", "leasehold-test", "0", &"a".repeat(63)] {
-        KubeStore::new(server.client(), KubeStoreConfig::default().namespace(ok))
+        KubeStore::new(server.client(), KubeConfig::new().with_namespace(ok))
             .expect("a valid namespace");
     }
     // The client's default namespace is checked too.
@@ -392,7 +525,7 @@ async fn namespaces_that_are_not_rfc_1123_labels_are_rejected_at_construction() 
     config.default_namespace = "Not_A_Label".into();
     let client = kube::Client::try_from(config).expect("client");
     assert!(matches!(
-        KubeStore::new(client, KubeStoreConfig::default()),
+        KubeStore::new(client, KubeConfig::new()),
         Err(leasehold_kube::Error::InvalidNamespace { .. })
     ));
     assert_eq!(server.requests(), before);

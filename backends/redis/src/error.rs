@@ -5,8 +5,11 @@ use redis::{ErrorKind, RedisError, ServerErrorKind};
 
 use crate::STORE;
 
-/// A configuration error of the Redis store. Converts into
-/// [`leasehold::Error::InvalidConfig`].
+/// What can go wrong while configuring and connecting a [`RedisStore`](crate::RedisStore).
+///
+/// Errors of store operations are [`leasehold::Error`]s. This type converts into one with
+/// `From`: [`Error::Connect`] into the error it carries, every other variant into
+/// [`leasehold::Error::InvalidConfig`] with its message.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {
@@ -34,7 +37,7 @@ pub enum Error {
     #[error(
         "redis URL {url} asks to skip TLS certificate verification (#insecure), which this store \
          refuses: remove the #insecure fragment and trust the server's CA with \
-         RedisConfig::tls_root_ca_pem instead"
+         RedisConfig::with_tls_ca_pem instead"
     )]
     InsecureTls {
         /// The URL, password redacted.
@@ -44,11 +47,27 @@ pub enum Error {
     /// TLS settings could not be applied (for example a PEM that does not parse).
     #[error("invalid redis TLS configuration: {0}")]
     Tls(String),
+
+    /// Another setting is unusable (a zero timeout), or does not fit the server (a server in
+    /// cluster mode without [`RedisConfig::with_cluster`](crate::RedisConfig::with_cluster)).
+    #[error("invalid redis configuration: {0}")]
+    InvalidConfig(String),
+
+    /// Reaching or authenticating to the server failed at connect:
+    /// [`leasehold::Error::Unavailable`] or [`leasehold::Error::Timeout`] (the server is not
+    /// reachable), [`leasehold::Error::Unauthenticated`] (rejected credentials),
+    /// [`leasehold::Error::PermissionDenied`], or a non-retryable [`leasehold::Error::Store`]
+    /// naming a TLS problem.
+    #[error(transparent)]
+    Connect(leasehold::Error),
 }
 
 impl From<Error> for leasehold::Error {
     fn from(e: Error) -> Self {
-        leasehold::Error::InvalidConfig(e.to_string())
+        match e {
+            Error::Connect(e) => e,
+            other => leasehold::Error::InvalidConfig(other.to_string()),
+        }
     }
 }
 
@@ -64,7 +83,7 @@ fn certificate_problem(e: &RedisError) -> Option<String> {
     // redis-rs may flatten the io error into text.
     let text = e.to_string();
     (text.contains("invalid peer certificate") || text.contains("UnknownIssuer")).then(|| {
-        format!("{text} (check the CA configured with tls_root_ca_pem and the server's certificate and host name)")
+        format!("{text} (check the CA configured with with_tls_ca_pem and the server's certificate and host name)")
     })
 }
 
@@ -88,7 +107,7 @@ fn tls_advice(tls: &rustls::Error) -> Option<String> {
     use rustls::AlertDescription as A;
     match tls {
         rustls::Error::InvalidCertificate(_) => Some(format!(
-            "{tls} (check the CA configured with tls_root_ca_pem, the server's certificate and \
+            "{tls} (check the CA configured with with_tls_ca_pem, the server's certificate and \
              that the URL's host name is one the certificate names)"
         )),
         rustls::Error::NoCertificatesPresented => Some(format!(
@@ -106,7 +125,7 @@ fn tls_advice(tls: &rustls::Error) -> Option<String> {
             | A::DecryptError,
         ) => Some(format!(
             "{tls} (the server rejected this client's certificate: set one its tls-ca-cert-file \
-             trusts with RedisConfig::tls_client_cert_pem)"
+             trusts with RedisConfig::with_tls_client_identity_pem)"
         )),
         rustls::Error::AlertReceived(_) | rustls::Error::PeerIncompatible(_) => Some(format!(
             "{tls} (the server refused the TLS handshake: check its TLS settings, such as \
@@ -167,7 +186,7 @@ pub(crate) fn from_redis(operation: &'static str, e: RedisError) -> leasehold::E
             store: STORE,
             message: format!(
                 "{operation}: {e} (a Redis Cluster redirection: the store is configured for a \
-                 standalone server; configure it with RedisConfig::cluster() for a cluster)"
+                 standalone server; configure it with RedisConfig::with_cluster() for a cluster)"
             ),
             retryable: false,
             source: Some(Box::new(e)),

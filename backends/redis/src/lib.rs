@@ -1,13 +1,17 @@
 //! A [`LeaseStore`](leasehold::LeaseStore) on Redis for leasehold.
 //!
 //! ```no_run
-//! # async fn demo() -> leasehold::Result<()> {
+//! # async fn demo() -> Result<(), leasehold_redis::Error> {
 //! use leasehold_redis::{RedisConfig, RedisStore};
 //! let config = RedisConfig::new("rediss://app:secret@redis.example:6380/0")?
-//!     .prefix("myapp:")?;
+//!     .with_prefix("myapp:");
 //! let store = RedisStore::connect(config).await?;
 //! # let _ = store; Ok(()) }
 //! ```
+//!
+//! A complete program with two candidates and a leader task is the `redis` example
+//! (`cargo run -p leasehold-redis --example redis`, against `redis://127.0.0.1:6379` or
+//! `LEASEHOLD_REDIS_URL`).
 //!
 //! # Correctness class: read this before you use it
 //!
@@ -82,7 +86,8 @@
 //!
 //! # Failures and timeouts
 //!
-//! Every operation is bounded by the operation timeout (default 2 s) and fails with
+//! Every operation is bounded by the operation timeout (default 2 s, reported in the store's
+//! [`Capabilities`](leasehold::Capabilities)) and fails with
 //! [`leasehold::Error::Timeout`] after it; connection failures are
 //! [`leasehold::Error::Unavailable`]. Both are retryable. A connection that reports an error is
 //! repaired in the background by redis-rs's `ConnectionManager`; one on which
@@ -97,19 +102,19 @@
 //! # Topologies
 //!
 //! - **One standalone primary** (optionally with replicas, see above for failover).
-//! - **Redis Cluster**, with [`RedisConfig::cluster`] (and more seed nodes with
-//!   [`RedisConfig::cluster_seed`]): redis-rs's async cluster client routes every script to the
+//! - **Redis Cluster**, with [`RedisConfig::with_cluster`] (and more seed nodes with
+//!   [`RedisConfig::with_cluster_seed`]): redis-rs's async cluster client routes every script to the
 //!   node owning the namespace's slot and follows `MOVED`/`ASK` (slot migrations, failovers).
 //!   Watches subscribe on any seed node (cluster pub/sub reaches every node) and move to the next
 //!   seed when theirs fails. A cluster failover is asynchronous: the caveats above apply. Without
-//!   `cluster()`, `connect` refuses a server in cluster mode with an error saying what to set.
+//!   `with_cluster()`, `connect` refuses a server in cluster mode with an error saying what to set.
 //! - **Sentinel is not supported** (the store does not ask Sentinel for the current primary); a
 //!   proxy or DNS name that follows the primary works, with the failover caveats above.
 //!
 //! # Security
 //!
 //! `rediss://` URLs use TLS (rustls with the ring provider; the system roots or a CA given with
-//! [`RedisConfig::tls_root_ca_pem`], optionally a client certificate); a `#insecure` URL
+//! [`RedisConfig::with_tls_ca_pem`], optionally a client certificate); a `#insecure` URL
 //! fragment is refused ([`Error::InsecureTls`]). A user name in the URL selects an ACL user;
 //! [`RedisConfig::acl_rules`] gives the least-privilege rules ([`ACL_COMMANDS`] and the prefix's
 //! key and channel patterns). At connect the store warns when `maxmemory-policy` is an
@@ -131,3 +136,8 @@ pub use store::{REBUILD_AFTER_TIMEOUTS, RedisStore};
 
 /// The store's name in errors and logs.
 pub const STORE: &str = "redis";
+
+/// The README's code blocks, compiled as doctests (not part of the API).
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+struct ReadmeDoctests;

@@ -173,28 +173,35 @@ pub(crate) enum Raw {
 // === impl RedisStore ===
 
 impl RedisStore {
-    /// Connects to the server in `config` (for a cluster: to the first seed node that answers) and
-    /// checks the connection (TCP/TLS, `AUTH`, `SELECT`, `PING`), so that a wrong password or CA
-    /// fails here with a clear error. Later connection losses are repaired in the background
-    /// (redis-rs's `ConnectionManager` or cluster client), and a connection on which
-    /// [`REBUILD_AFTER_TIMEOUTS`] operations in a row time out is replaced.
+    /// Validates `config`, connects to the server in it (for a cluster: to the first seed node
+    /// that answers) and checks the connection (TCP/TLS, `AUTH`, `SELECT`, `PING`), so that a
+    /// wrong address, password or CA fails here with a clear error. Later connection losses are
+    /// repaired in the background (redis-rs's `ConnectionManager` or cluster client), and a
+    /// connection on which [`REBUILD_AFTER_TIMEOUTS`] operations in a row time out is replaced.
     ///
     /// # Errors
-    /// [`leasehold::Error::Unauthenticated`] for rejected credentials, a non-retryable
-    /// [`leasehold::Error::Store`] naming the TLS problem for a certificate that does not verify,
-    /// [`leasehold::Error::Unavailable`] or [`leasehold::Error::Timeout`] when the server cannot be
-    /// reached, [`leasehold::Error::InvalidConfig`] for unusable TLS settings or a server in cluster
-    /// mode without [`RedisConfig::cluster`].
+    /// - [`Error::InvalidPrefix`], [`Error::InvalidUrl`] (a cluster seed), [`Error::Tls`],
+    ///   [`Error::InvalidConfig`] for settings that are not usable, and [`Error::InvalidConfig`]
+    ///   for a server in cluster mode without [`RedisConfig::with_cluster`];
+    /// - [`Error::Connect`] when reaching or authenticating to the server failed: it carries
+    ///   [`leasehold::Error::Unavailable`] or [`leasehold::Error::Timeout`] naming the URL (the
+    ///   server cannot be reached), [`leasehold::Error::Unauthenticated`] (rejected
+    ///   credentials), or a non-retryable [`leasehold::Error::Store`] naming the TLS problem (a
+    ///   certificate that does not verify).
     ///
     /// # Cancel safety
     /// Cancel safe: dropping the future drops the half-made connection.
-    pub async fn connect(config: RedisConfig) -> leasehold::Result<Self> {
+    pub async fn connect(config: RedisConfig) -> Result<Self, Error> {
+        config.validate()?;
         if config.tls {
             // Only installs ring when the process has no provider yet; an error means one is set.
             let _ = rustls::crypto::ring::default_provider().install_default();
         }
-        let clients = std::iter::once(config.url.as_str())
+        let urls: Vec<&str> = std::iter::once(config.url.as_str())
             .chain(config.cluster.iter().flatten().map(String::as_str))
+            .collect();
+        let clients = urls
+            .iter()
             .map(|url| build_client(&config, url))
             .collect::<Result<Vec<_>, _>>()?;
         let client = clients[0].clone();
@@ -221,7 +228,7 @@ impl RedisStore {
                 break;
             }
         }
-        let mut probe = probe?;
+        let mut probe = probe.map_err(|e| Error::Connect(unreachable_at(&config, &urls, e)))?;
         check_server(&mut probe, &config).await?;
         drop(probe);
 
@@ -239,7 +246,9 @@ impl RedisStore {
                 .set_max_delay(Duration::from_millis(500));
             Kind::Single(client, mgr_config)
         };
-        let mgr = kind.connection().map_err(|e| from_redis("connect", e))?;
+        let mgr = kind
+            .connection()
+            .map_err(|e| Error::Connect(from_redis("connect", e)))?;
         tracing::debug!(url = %config.redacted_url, prefix = %config.prefix, "connected to redis");
         Ok(RedisStore {
             inner: Arc::new(Inner {
@@ -303,13 +312,13 @@ fn connection_info(config: &RedisConfig, url: &str) -> Result<ConnectionInfo, Er
 fn certificates(config: &RedisConfig) -> TlsCertificates {
     TlsCertificates {
         client_tls: config
-            .tls_client_cert
+            .tls_client_identity
             .as_ref()
             .map(|(cert, key)| ClientTlsConfig {
                 client_cert: cert.clone(),
                 client_key: key.clone(),
             }),
-        root_cert: config.tls_root_ca_pem.clone(),
+        root_cert: config.tls_ca_pem.clone(),
     }
 }
 
@@ -322,7 +331,7 @@ fn build_cluster_client(config: &RedisConfig) -> Result<ClusterClient, Error> {
         .tcp_settings(tcp_settings())
         .connection_timeout(config.connect_timeout)
         .response_timeout(config.operation_timeout);
-    if config.tls && (config.tls_root_ca_pem.is_some() || config.tls_client_cert.is_some()) {
+    if config.tls && (config.tls_ca_pem.is_some() || config.tls_client_identity.is_some()) {
         builder = builder.certs(certificates(config));
     }
     builder.build().map_err(|e| Error::InvalidUrl {
@@ -334,11 +343,11 @@ fn build_cluster_client(config: &RedisConfig) -> Result<ClusterClient, Error> {
 fn build_client(config: &RedisConfig, url: &str) -> Result<Client, Error> {
     let redacted = || config.redacted_url.clone();
     let info = connection_info(config, url)?;
-    if config.tls && (config.tls_root_ca_pem.is_some() || config.tls_client_cert.is_some()) {
+    if config.tls && (config.tls_ca_pem.is_some() || config.tls_client_identity.is_some()) {
         return Client::build_with_tls(info, certificates(config))
             .map_err(|e| Error::Tls(format!("{} ({})", e.category(), detail(&e))));
     }
-    if !config.tls && (config.tls_root_ca_pem.is_some() || config.tls_client_cert.is_some()) {
+    if !config.tls && (config.tls_ca_pem.is_some() || config.tls_client_identity.is_some()) {
         return Err(Error::InvalidUrl {
             url: redacted(),
             reason: "TLS certificates are set but the URL is not rediss://".into(),
@@ -365,7 +374,7 @@ pub(crate) fn policy_can_evict_leases(policy: &str) -> bool {
 async fn check_server(
     conn: &mut impl redis::aio::ConnectionLike,
     config: &RedisConfig,
-) -> leasehold::Result<()> {
+) -> Result<(), Error> {
     let info = bounded(
         "connect",
         config.operation_timeout,
@@ -385,9 +394,9 @@ async fn check_server(
             .map(str::trim)
     };
     if field("cluster_enabled") == Some("1") && config.cluster.is_none() {
-        return Err(leasehold::Error::InvalidConfig(format!(
-            "redis at {} runs in cluster mode: configure the store with RedisConfig::cluster() \
-             (or point it at a standalone redis)",
+        return Err(Error::InvalidConfig(format!(
+            "redis at {} runs in cluster mode: configure the store with \
+             RedisConfig::with_cluster() (or point it at a standalone redis)",
             config.redacted_url
         )));
     }
@@ -404,6 +413,46 @@ async fn check_server(
         );
     }
     Ok(())
+}
+
+/// A failed connect probe, with the server's address in the message when it was not reachable
+/// (redis-rs's own message does not name it).
+fn unreachable_at(config: &RedisConfig, urls: &[&str], e: leasehold::Error) -> leasehold::Error {
+    let at = || {
+        let shown: Vec<String> = urls
+            .iter()
+            .map(|u| match url::Url::parse(u) {
+                Ok(u) => crate::config::redact(&u),
+                Err(_) => config.redacted_url.clone(),
+            })
+            .collect();
+        shown.join(", ")
+    };
+    match e {
+        leasehold::Error::Unavailable {
+            store,
+            message,
+            source,
+        } => leasehold::Error::Unavailable {
+            store,
+            message: format!(
+                "cannot reach {}: {message} (is redis-server running there? check the host and \
+                 port in the URL)",
+                at()
+            ),
+            source,
+        },
+        leasehold::Error::Timeout { after, .. } => leasehold::Error::Unavailable {
+            store: STORE,
+            message: format!(
+                "connect: no answer from {} within {after:?} (connect timeout plus operation \
+                 timeout; check the host, port and firewall)",
+                at()
+            ),
+            source: None,
+        },
+        other => other,
+    }
 }
 
 fn detail(e: &redis::RedisError) -> String {
@@ -592,7 +641,7 @@ impl LeaseStore for RedisStore {
     }
 
     fn capabilities(&self) -> Capabilities {
-        Capabilities::WATCH
+        Capabilities::WATCH.with_operation_timeout(self.inner.config.operation_timeout)
     }
 
     async fn get(&self, key: &LeaseKey) -> leasehold::Result<Option<Versioned>> {

@@ -38,7 +38,7 @@ async fn a_cluster_store_keeps_a_namespace_in_one_slot_and_survives_a_slot_migra
     let cluster = Cluster::start(3);
     let ports: Vec<u16> = cluster.nodes.iter().map(|n| n.port).collect();
     let prefix = unique_prefix();
-    let cfg = cluster_config(&ports, &prefix).operation_timeout(Duration::from_secs(5));
+    let cfg = cluster_config(&ports, &prefix).with_operation_timeout(Duration::from_secs(5));
     let s = RedisStore::connect(cfg).await.unwrap();
     let k = key("clustered");
 
@@ -94,9 +94,8 @@ async fn the_least_privilege_acl_user_works_on_a_cluster() {
     let ports: Vec<u16> = cluster.nodes.iter().map(|n| n.port).collect();
     let cfg = RedisConfig::new(format!("redis://app:app-pass@127.0.0.1:{}", ports[0]))
         .unwrap()
-        .prefix(unique_prefix())
-        .unwrap()
-        .cluster();
+        .with_prefix(unique_prefix())
+        .with_cluster();
     let rules = cfg.acl_rules();
     assert!(rules.ends_with(" +cluster|slots"), "{rules}");
     // ACL users are per node.
@@ -125,8 +124,8 @@ async fn a_cluster_store_carries_on_after_the_master_of_its_slot_fails_over() {
     let ports: Vec<u16> = cluster.nodes.iter().map(|n| n.port).collect();
     let prefix = unique_prefix();
     let cfg = cluster_config(&ports, &prefix)
-        .operation_timeout(Duration::from_secs(2))
-        .watch_ping_interval(Duration::from_millis(200));
+        .with_operation_timeout(Duration::from_secs(2))
+        .with_watch_ping_interval(Duration::from_millis(200));
     let s = RedisStore::connect(cfg).await.unwrap();
     let k = key("failover");
     let v1 = s.create(&k, &record("a", 1)).await.unwrap();
@@ -170,11 +169,10 @@ async fn a_cluster_store_carries_on_after_the_master_of_its_slot_fails_over() {
 fn cluster_config(ports: &[u16], prefix: &str) -> RedisConfig {
     let mut cfg = RedisConfig::new(format!("redis://127.0.0.1:{}", ports[0]))
         .unwrap()
-        .prefix(prefix.to_owned())
-        .unwrap()
-        .cluster();
+        .with_prefix(prefix.to_owned())
+        .with_cluster();
     for p in &ports[1..] {
-        cfg = cfg.cluster_seed(format!("redis://127.0.0.1:{p}")).unwrap();
+        cfg = cfg.with_cluster_seed(format!("redis://127.0.0.1:{p}"));
     }
     cfg
 }

@@ -19,11 +19,10 @@ const EVENTUALLY: Duration = Duration::from_secs(60);
 async fn fast_store(url: &str) -> RedisStore {
     let cfg = RedisConfig::new(url)
         .unwrap()
-        .prefix(unique_prefix())
-        .unwrap()
-        .operation_timeout(Duration::from_millis(300))
-        .connect_timeout(Duration::from_millis(300))
-        .watch_ping_interval(Duration::from_millis(200));
+        .with_prefix(unique_prefix())
+        .with_operation_timeout(Duration::from_millis(300))
+        .with_connect_timeout(Duration::from_millis(300))
+        .with_watch_ping_interval(Duration::from_millis(200));
     RedisStore::connect(cfg).await.unwrap()
 }
 
@@ -320,7 +319,7 @@ async fn versions_stay_above_the_server_clock_when_the_counter_is_set_back() {
     let srv = Server::start();
     let url = srv.url();
     let s = fast_store(&url).await;
-    let rev = format!("{{{}}}rev", s.config().key_prefix());
+    let rev = format!("{{{}}}rev", s.config().prefix());
     let k = key("set-back");
     let other = key("other");
     let mut seen = vec![s.create(&k, &record("a", 1)).await.unwrap()];
@@ -486,7 +485,7 @@ async fn connect_works_and_warns_when_the_eviction_policy_can_evict_leases() {
     let v = s.create(&k, &record("a", 1)).await.unwrap();
     assert_eq!(s.get(&k).await.unwrap().unwrap().version, v);
     // Lease keys carry no TTL, which is why the volatile-* policies never evict them.
-    let p = s.config().key_prefix();
+    let p = s.config().prefix();
     for name in [
         s.record_key(&k),
         format!("{{{p}}}index"),
@@ -502,8 +501,10 @@ async fn a_cluster_mode_server_is_refused_at_connect() {
     let srv = Server::start_with(&["--cluster-enabled", "yes"], false);
     let cfg = RedisConfig::new(srv.url()).unwrap();
     match RedisStore::connect(cfg).await {
-        Err(e @ Error::InvalidConfig(_)) => {
+        Err(e @ leasehold_redis::Error::InvalidConfig(_)) => {
             println!("{e}");
+            assert!(e.to_string().contains("with_cluster()"), "{e}");
+            let e = Error::from(e);
             assert!(!e.is_retryable());
             assert!(e.to_string().contains("cluster mode"), "{e}");
         }

@@ -16,13 +16,8 @@ use rcgen::{
 };
 
 async fn connect(url: &str) -> leasehold::Result<RedisStore> {
-    RedisStore::connect(
-        RedisConfig::new(url)
-            .unwrap()
-            .prefix(unique_prefix())
-            .unwrap(),
-    )
-    .await
+    let cfg = RedisConfig::new(url).unwrap().with_prefix(unique_prefix());
+    Ok(RedisStore::connect(cfg).await?)
 }
 
 fn assert_unauthenticated(r: leasehold::Result<RedisStore>, secret: &str) {
@@ -204,9 +199,8 @@ async fn tls_with_the_right_ca_works() {
     assert!(srv.url().starts_with("rediss://"));
     let cfg = RedisConfig::new(srv.url())
         .unwrap()
-        .prefix(unique_prefix())
-        .unwrap()
-        .tls_root_ca_pem(pki.ca_pem.as_bytes());
+        .with_prefix(unique_prefix())
+        .with_tls_ca_pem(pki.ca_pem.as_bytes());
     let s = RedisStore::connect(cfg).await.unwrap();
     exercise(&s).await;
 }
@@ -218,8 +212,8 @@ async fn tls_with_a_wrong_ca_fails_with_a_clear_tls_error() {
     let other = ca("some other CA");
     let cfg = RedisConfig::new(srv.url())
         .unwrap()
-        .tls_root_ca_pem(other.pem().as_bytes());
-    match RedisStore::connect(cfg).await {
+        .with_tls_ca_pem(other.pem().as_bytes());
+    match RedisStore::connect(cfg).await.map_err(Error::from) {
         Err(e @ Error::Store { .. }) => {
             assert!(!e.is_retryable(), "{e:?}");
             let text = e.to_string();
@@ -233,8 +227,8 @@ async fn tls_with_a_wrong_ca_fails_with_a_clear_tls_error() {
     let plain = format!("redis://127.0.0.1:{}", srv.port);
     let cfg = RedisConfig::new(plain)
         .unwrap()
-        .connect_timeout(Duration::from_millis(500))
-        .operation_timeout(Duration::from_millis(500));
+        .with_connect_timeout(Duration::from_millis(500))
+        .with_operation_timeout(Duration::from_millis(500));
     let r = tokio::time::timeout(Duration::from_secs(60), RedisStore::connect(cfg))
         .await
         .expect("no hang");
@@ -248,24 +242,24 @@ async fn mutual_tls_needs_the_client_certificate_and_says_so_without_it() {
     let base = || {
         RedisConfig::new(srv.url())
             .unwrap()
-            .prefix(unique_prefix())
-            .unwrap()
-            .tls_root_ca_pem(pki.ca_pem.as_bytes())
+            .with_prefix(unique_prefix())
+            .with_tls_ca_pem(pki.ca_pem.as_bytes())
     };
     let r = tokio::time::timeout(Duration::from_secs(60), RedisStore::connect(base()))
         .await
-        .expect("no hang");
+        .expect("no hang")
+        .map_err(Error::from);
     match r {
         Err(e @ Error::Store { .. }) => {
             let text = e.to_string();
             println!("mTLS error without a client certificate: {text}");
             assert!(!e.is_retryable(), "{e:?}");
             assert!(text.contains("TLS"), "{text}");
-            assert!(text.contains("tls_client_cert_pem"), "{text}");
+            assert!(text.contains("with_tls_client_identity_pem"), "{text}");
         }
         other => panic!("expected a non-retryable TLS error, got {other:?}"),
     }
-    let cfg = base().tls_client_cert_pem(
+    let cfg = base().with_tls_client_identity_pem(
         pki.client_cert_pem.as_bytes(),
         pki.client_key_pem.as_bytes(),
     );
@@ -294,8 +288,7 @@ async fn the_documented_least_privilege_acl_user_can_do_everything_the_store_doe
             srv.port
         ))
         .unwrap()
-        .prefix(prefix.clone())
-        .unwrap();
+        .with_prefix(prefix.clone());
         let mut setuser = redis::cmd("ACL");
         setuser
             .arg("SETUSER")
@@ -346,8 +339,7 @@ async fn the_documented_least_privilege_acl_user_can_do_everything_the_store_doe
     // A command the scripts run that the ACL denies is named as a permission problem.
     let cfg = RedisConfig::new(format!("redis://nohset:pass@127.0.0.1:{}", srv.port))
         .unwrap()
-        .prefix(unique_prefix())
-        .unwrap();
+        .with_prefix(unique_prefix());
     let mut setuser = redis::cmd("ACL");
     setuser.arg("SETUSER").arg("nohset").arg("on").arg(">pass");
     for rule in cfg.acl_rules().split_whitespace() {

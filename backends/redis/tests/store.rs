@@ -219,9 +219,8 @@ async fn unicode_and_long_identities_round_trip() {
 async fn keys_carry_the_prefix_as_a_hash_tag() {
     let cfg = leasehold_redis::RedisConfig::new(shared_url())
         .unwrap()
-        .prefix("tagged-test:")
-        .unwrap();
-    assert_eq!(cfg.key_prefix(), "tagged-test:");
+        .with_prefix("tagged-test:");
+    assert_eq!(cfg.prefix(), "tagged-test:");
     let s = leasehold_redis::RedisStore::connect(cfg).await.unwrap();
     assert_eq!(s.record_key(&key("x")), "{tagged-test:}rec:x");
 }
@@ -232,8 +231,31 @@ async fn debug_never_shows_the_password() {
     assert!(!format!("{cfg:?}").contains("topsecret"));
     // Nothing listens on port 1: the error must be typed, retryable and free of the password.
     let err = leasehold_redis::RedisStore::connect(cfg).await.unwrap_err();
-    assert!(err.is_retryable(), "{err:?}");
+    assert!(
+        matches!(
+            err,
+            leasehold_redis::Error::Connect(leasehold::Error::Unavailable { .. })
+        ),
+        "{err:?}"
+    );
     assert!(!format!("{err:?} {err}").contains("topsecret"));
+    let err = leasehold::Error::from(err);
+    assert!(err.is_retryable(), "{err:?}");
+}
+
+#[tokio::test]
+async fn connect_to_a_closed_port_names_the_server() {
+    let port = common::free_port();
+    let cfg =
+        leasehold_redis::RedisConfig::new(format!("redis://u:topsecret@127.0.0.1:{port}")).unwrap();
+    let err = leasehold_redis::RedisStore::connect(cfg).await.unwrap_err();
+    let text = err.to_string();
+    println!("{text}");
+    assert!(
+        text.contains(&format!("cannot reach redis://u:***@127.0.0.1:{port}")),
+        "{text}"
+    );
+    assert!(!text.contains("topsecret"), "{text}");
 }
 
 #[tokio::test]
@@ -312,4 +334,21 @@ async fn a_watch_that_is_not_read_buffers_a_bounded_number_of_events_and_coalesc
     // And the stream keeps delivering after it caught up.
     let v2 = s.update(&k, &record("b", 0), &v).await.unwrap();
     expect_next_put_version(&mut w, &v2).await;
+}
+
+#[tokio::test]
+async fn the_store_reports_its_operation_timeout_and_the_elector_checks_it() {
+    let s = store_at_with(&shared_url(), Duration::from_millis(700)).await;
+    assert_eq!(
+        s.capabilities().operation_timeout,
+        Some(Duration::from_millis(700))
+    );
+    let config = leasehold::ElectorConfig::new(key("timed"), "a").with_timings(
+        Duration::from_secs(2),
+        Duration::from_millis(700),
+        Duration::from_millis(100),
+    );
+    let err = leasehold::Elector::spawn(std::sync::Arc::new(s), config)
+        .expect_err("renew deadline not above the store timeout");
+    assert!(matches!(err, Error::InvalidConfig(_)), "{err:?}");
 }

@@ -403,12 +403,21 @@ pub fn unique_prefix() -> String {
     )
 }
 
+/// The operation timeout of the tests' stores: below the conformance suite's 1 s renew deadline
+/// (`Elector::spawn` refuses a store timeout that is not).
+pub const TEST_OPERATION_TIMEOUT: Duration = Duration::from_millis(900);
+
 /// A store on the shared server under a fresh prefix.
 pub async fn shared_store() -> EtcdStore {
+    shared_store_with(TEST_OPERATION_TIMEOUT).await
+}
+
+/// A store on the shared server under a fresh prefix, with operations bounded by `timeout`.
+pub async fn shared_store_with(timeout: Duration) -> EtcdStore {
     let eps = shared_endpoints().await;
     let config = EtcdConfig::new(eps)
         .with_prefix(unique_prefix())
-        .with_operation_timeout(Duration::from_secs(5));
+        .with_operation_timeout(timeout);
     EtcdStore::connect(config).await.expect("connect to etcd")
 }
 

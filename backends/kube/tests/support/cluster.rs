@@ -4,7 +4,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use leasehold_kube::{KubeStore, KubeStoreConfig};
+use leasehold_kube::{KubeConfig, KubeStore};
 
 /// The kubeconfig file of an existing cluster to run the suite against.
 pub const KUBECONFIG_VAR: &str = "LEASEHOLD_KUBECONFIG";
@@ -12,12 +12,12 @@ pub const KUBECONFIG_VAR: &str = "LEASEHOLD_KUBECONFIG";
 /// update and delete on leases there).
 pub const NAMESPACE_VAR: &str = "LEASEHOLD_KUBE_NAMESPACE";
 
-/// The store settings for real clusters: a request timeout below the conformance suite's 1 s
+/// The store settings for real clusters: an operation timeout below the conformance suite's 1 s
 /// renew deadline.
-pub fn cluster_config(namespace: &str) -> KubeStoreConfig {
-    KubeStoreConfig::default()
-        .namespace(namespace)
-        .request_timeout(Duration::from_millis(900))
+pub fn cluster_config(namespace: &str) -> KubeConfig {
+    KubeConfig::new()
+        .with_namespace(namespace)
+        .with_operation_timeout(Duration::from_millis(900))
 }
 
 /// A client from kubeconfig YAML.

@@ -284,13 +284,32 @@ impl LeaseApiServer {
     /// A kube client for this server with `token` (None: no credentials) and default namespace
     /// `default`.
     pub fn client_with_token(&self, token: Option<&str>) -> kube::Client {
+        kube::Client::try_from(self.client_config(token)).expect("kube client for the test server")
+    }
+
+    /// A kube client configuration for this server with `token` (None: no credentials) and
+    /// default namespace `default`.
+    pub fn client_config(&self, token: Option<&str>) -> kube::Config {
         let mut config = kube::Config::new(self.url().parse().expect("server URL"));
         config.default_namespace = "default".into();
         config.connect_timeout = Some(Duration::from_secs(5));
         if let Some(t) = token {
             config.auth_info.token = Some(t.to_owned().into());
         }
-        kube::Client::try_from(config).expect("kube client for the test server")
+        config
+    }
+
+    /// A kubeconfig file (YAML) pointing at this server with the admin token, its context's
+    /// namespace [`NAMESPACE`].
+    pub fn kubeconfig_yaml(&self) -> String {
+        format!(
+            "apiVersion: v1\nkind: Config\nclusters:\n- name: test\n  cluster:\n    server: {url}\n\
+             users:\n- name: admin\n  user:\n    token: {token}\ncontexts:\n- name: test\n  context:\n    \
+             cluster: test\n    user: admin\n    namespace: {ns}\ncurrent-context: test\n",
+            url = self.url(),
+            token = ADMIN_TOKEN,
+            ns = NAMESPACE,
+        )
     }
 
     /// A kube client with the admin token.
@@ -1492,11 +1511,11 @@ pub const NAMESPACE: &str = "leasehold-test";
 
 /// The store configuration tests use: the test namespace and a request timeout below the
 /// conformance suite's 1 s renew deadline.
-pub fn test_config() -> leasehold_kube::KubeStoreConfig {
-    leasehold_kube::KubeStoreConfig::default()
-        .namespace(NAMESPACE)
-        .request_timeout(Duration::from_millis(900))
-        .watch_timeout(Duration::from_secs(30))
+pub fn test_config() -> leasehold_kube::KubeConfig {
+    leasehold_kube::KubeConfig::new()
+        .with_namespace(NAMESPACE)
+        .with_operation_timeout(Duration::from_millis(900))
+        .with_watch_timeout(Duration::from_secs(30))
 }
 
 /// A store on `server` with the admin token.
@@ -1508,7 +1527,7 @@ pub fn store(server: &LeaseApiServer) -> leasehold_kube::KubeStore {
 pub fn store_with(
     server: &LeaseApiServer,
     token: Option<&str>,
-    config: leasehold_kube::KubeStoreConfig,
+    config: leasehold_kube::KubeConfig,
 ) -> leasehold_kube::KubeStore {
     leasehold_kube::KubeStore::new(server.client_with_token(token), config)
         .expect("valid store config")

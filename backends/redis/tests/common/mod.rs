@@ -267,11 +267,20 @@ pub fn unique_prefix() -> String {
     )
 }
 
+/// The operation timeout of the tests' stores: below the conformance suite's 1 s renew deadline
+/// (`Elector::spawn` refuses a store timeout that is not).
+pub const TEST_OPERATION_TIMEOUT: Duration = Duration::from_millis(900);
+
 pub async fn store_at(url: &str) -> RedisStore {
+    store_at_with(url, TEST_OPERATION_TIMEOUT).await
+}
+
+/// A store at `url` under a fresh prefix, with operations bounded by `timeout`.
+pub async fn store_at_with(url: &str, timeout: Duration) -> RedisStore {
     let cfg = RedisConfig::new(url)
         .expect("url")
-        .prefix(unique_prefix())
-        .expect("prefix");
+        .with_prefix(unique_prefix())
+        .with_operation_timeout(timeout);
     RedisStore::connect(cfg).await.expect("connect")
 }
 
