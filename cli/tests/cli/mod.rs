@@ -60,18 +60,21 @@ pub fn child_main() {
         .ok()
         .and_then(|c| c.parse().ok())
         .unwrap_or(0);
-    append(
-        &log,
-        &format!("start {id} {token} {} {}", mono_ns(), std::process::id()),
-    );
     let exit_file = log.with_file_name(format!("exit-{id}"));
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
         .unwrap();
+    // The handler first: the test may signal as soon as it sees the start record.
+    let mut term = {
+        let _guard = rt.enter();
+        tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).unwrap()
+    };
+    append(
+        &log,
+        &format!("start {id} {token} {} {}", mono_ns(), std::process::id()),
+    );
     let code = rt.block_on(async {
-        let mut term =
-            tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).unwrap();
         loop {
             tokio::select! {
                 _ = term.recv() => {
