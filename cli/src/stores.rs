@@ -1,4 +1,5 @@
-//! Store URLs: the one parser, and the one place that builds and connects stores.
+//! Store URLs: the one parser, and the one place that builds and connects stores (each store
+//! behind its cargo feature, all on by default).
 //!
 //! Accepted forms (see [`FORMS`]):
 //! - `memory://` — an in-process store, only for `leasehold demo`;
@@ -12,7 +13,6 @@
 
 use std::fmt;
 use std::path::PathBuf;
-use std::sync::Arc;
 use std::time::Duration;
 
 use leasehold::DynLeaseStore;
@@ -176,10 +176,16 @@ fn parse_redis(input: &str, env_password: Option<&str>) -> Result<StoreUrl, CliE
     }
     let tls = url.scheme() == "rediss";
     // Validate with the store's own parser now, so that a bad URL is a usage error.
-    let config = leasehold_redis::RedisConfig::new(url.to_string())
+    #[cfg(feature = "redis")]
+    leasehold_redis::RedisConfig::new(url.to_string())
         .map_err(|e| invalid(&shown, leasehold::Error::from(e)))?;
+    let mut redacted = url.clone();
+    if redacted.password().is_some() {
+        // Replacing a password that is there cannot fail.
+        let _ = redacted.set_password(Some("***"));
+    }
     Ok(StoreUrl::Redis {
-        redacted: config.redacted_url().to_owned(),
+        redacted: redacted.to_string(),
         url: Secret(url.to_string()),
         tls,
         prefix,
@@ -349,6 +355,10 @@ impl TlsFiles {
 
 /// Store timeouts.
 #[derive(Clone, Copy, Debug)]
+#[cfg_attr(
+    not(any(feature = "redis", feature = "etcd", feature = "kube")),
+    allow(dead_code)
+)]
 pub(crate) struct Timeouts {
     /// Bound on one store operation.
     pub(crate) operation: Duration,
@@ -372,74 +382,135 @@ pub(crate) async fn connect(
             "--tls-ca/--tls-cert/--tls-key need a TLS store URL (rediss:// or etcds://), not {shown}"
         )));
     }
-    let (ca, identity) = tls.read()?;
-    let fail = |e: leasehold::Error| CliError::store(&format!("cannot connect to {shown}"), e);
+    let pems = tls.read()?;
     match url {
         StoreUrl::Memory => Err(CliError::usage(format!(
             "memory:// is only for `leasehold demo`: each process would have its own store\n{FORMS}"
         ))),
-        StoreUrl::Redis { url, prefix, .. } => {
-            let mut config = leasehold_redis::RedisConfig::new(url.0.clone())
-                .map_err(|e| fail(e.into()))?
-                .with_operation_timeout(timeouts.operation)
-                .with_connect_timeout(timeouts.connect);
-            if let Some(p) = prefix {
-                config = config.with_prefix(p.clone());
-            }
-            if let Some(ca) = ca {
-                config = config.with_tls_ca_pem(ca);
-            }
-            if let Some((cert, key)) = identity {
-                config = config.with_tls_client_identity_pem(cert, key);
-            }
-            let store = leasehold_redis::RedisStore::connect(config)
-                .await
-                .map_err(|e| fail(e.into()))?;
-            Ok(Arc::new(store))
-        }
-        StoreUrl::Etcd {
-            endpoints,
-            user,
-            prefix,
-            tls: is_tls,
-        } => {
-            let mut config = leasehold_etcd::EtcdConfig::new(endpoints.clone())
-                .with_operation_timeout(timeouts.operation)
-                .with_connect_timeout(timeouts.connect);
-            if let Some(p) = prefix {
-                config = config.with_prefix(p.clone());
-            }
-            if let Some((u, p)) = user {
-                config = config.with_user(u.clone(), p.0.clone());
-            }
-            if *is_tls {
-                // TLS with the system's roots unless --tls-ca names a CA.
-                config = config.with_tls(leasehold_etcd::TlsConfig::new());
-            }
-            if let Some(ca) = ca {
-                config = config.with_tls_ca_pem(ca);
-            }
-            if let Some((cert, key)) = identity {
-                config = config.with_tls_client_identity_pem(cert, key);
-            }
-            let store = leasehold_etcd::EtcdStore::connect(config)
-                .await
-                .map_err(|e| fail(e.into()))?;
-            Ok(Arc::new(store))
-        }
-        StoreUrl::Kube { namespace } => {
-            let mut config = leasehold_kube::KubeConfig::new()
-                .with_operation_timeout(timeouts.operation)
-                .with_connect_timeout(timeouts.connect);
-            if let Some(ns) = namespace {
-                config = config.with_namespace(ns.clone());
-            }
-            let store = leasehold_kube::KubeStore::connect(config)
-                .await
-                .map_err(|e| fail(e.into()))?;
-            Ok(Arc::new(store))
-        }
+        StoreUrl::Redis { .. } => connect_redis(url, pems, timeouts).await,
+        StoreUrl::Etcd { .. } => connect_etcd(url, pems, timeouts).await,
+        StoreUrl::Kube { .. } => connect_kube(url, timeouts).await,
     }
+}
+
+/// The error for a connect failure.
+#[cfg(any(feature = "redis", feature = "etcd", feature = "kube"))]
+fn failed(url: &StoreUrl, e: leasehold::Error) -> CliError {
+    CliError::store(&format!("cannot connect to {}", url.display()), e)
+}
+
+/// The error for a store this binary was built without.
+#[cfg(not(all(feature = "redis", feature = "etcd", feature = "kube")))]
+fn not_built(feature: &str) -> CliError {
+    CliError::usage(format!(
+        "this leasehold was built without the {feature} store: build it with \
+         `--features {feature}` (the default features include every store)"
+    ))
+}
+
+#[cfg(feature = "redis")]
+async fn connect_redis(
+    url: &StoreUrl,
+    (ca, identity): TlsPems,
+    timeouts: Timeouts,
+) -> Result<DynLeaseStore, CliError> {
+    let StoreUrl::Redis {
+        url: secret,
+        prefix,
+        ..
+    } = url
+    else {
+        return Err(CliError::new(crate::exit::SOFTWARE, "not a Redis URL"));
+    };
+    let mut config = leasehold_redis::RedisConfig::new(secret.0.clone())
+        .map_err(|e| failed(url, e.into()))?
+        .with_operation_timeout(timeouts.operation)
+        .with_connect_timeout(timeouts.connect);
+    if let Some(p) = prefix {
+        config = config.with_prefix(p.clone());
+    }
+    if let Some(ca) = ca {
+        config = config.with_tls_ca_pem(ca);
+    }
+    if let Some((cert, key)) = identity {
+        config = config.with_tls_client_identity_pem(cert, key);
+    }
+    let store = leasehold_redis::RedisStore::connect(config)
+        .await
+        .map_err(|e| failed(url, e.into()))?;
+    Ok(std::sync::Arc::new(store))
+}
+
+#[cfg(not(feature = "redis"))]
+async fn connect_redis(_: &StoreUrl, _: TlsPems, _: Timeouts) -> Result<DynLeaseStore, CliError> {
+    Err(not_built("redis"))
+}
+
+#[cfg(feature = "etcd")]
+async fn connect_etcd(
+    url: &StoreUrl,
+    (ca, identity): TlsPems,
+    timeouts: Timeouts,
+) -> Result<DynLeaseStore, CliError> {
+    let StoreUrl::Etcd {
+        endpoints,
+        user,
+        prefix,
+        tls,
+    } = url
+    else {
+        return Err(CliError::new(crate::exit::SOFTWARE, "not an etcd URL"));
+    };
+    let mut config = leasehold_etcd::EtcdConfig::new(endpoints.clone())
+        .with_operation_timeout(timeouts.operation)
+        .with_connect_timeout(timeouts.connect);
+    if let Some(p) = prefix {
+        config = config.with_prefix(p.clone());
+    }
+    if let Some((u, p)) = user {
+        config = config.with_user(u.clone(), p.0.clone());
+    }
+    if *tls {
+        // TLS with the system's roots unless --tls-ca names a CA.
+        config = config.with_tls(leasehold_etcd::TlsConfig::new());
+    }
+    if let Some(ca) = ca {
+        config = config.with_tls_ca_pem(ca);
+    }
+    if let Some((cert, key)) = identity {
+        config = config.with_tls_client_identity_pem(cert, key);
+    }
+    let store = leasehold_etcd::EtcdStore::connect(config)
+        .await
+        .map_err(|e| failed(url, e.into()))?;
+    Ok(std::sync::Arc::new(store))
+}
+
+#[cfg(not(feature = "etcd"))]
+async fn connect_etcd(_: &StoreUrl, _: TlsPems, _: Timeouts) -> Result<DynLeaseStore, CliError> {
+    Err(not_built("etcd"))
+}
+
+#[cfg(feature = "kube")]
+async fn connect_kube(url: &StoreUrl, timeouts: Timeouts) -> Result<DynLeaseStore, CliError> {
+    let StoreUrl::Kube { namespace } = url else {
+        return Err(CliError::new(crate::exit::SOFTWARE, "not a kube URL"));
+    };
+    let mut config = leasehold_kube::KubeConfig::new()
+        .with_operation_timeout(timeouts.operation)
+        .with_connect_timeout(timeouts.connect);
+    if let Some(ns) = namespace {
+        config = config.with_namespace(ns.clone());
+    }
+    let store = leasehold_kube::KubeStore::connect(config)
+        .await
+        .map_err(|e| failed(url, e.into()))?;
+    Ok(std::sync::Arc::new(store))
+}
+
+#[cfg(not(feature = "kube"))]
+async fn connect_kube(_: &StoreUrl, _: Timeouts) -> Result<DynLeaseStore, CliError> {
+    Err(not_built("kube"))
 }
 
 #[cfg(test)]
@@ -493,6 +564,7 @@ mod tests {
             ok("rediss://u:p@h:6380"),
             StoreUrl::Redis { tls: true, .. }
         ));
+        #[cfg(feature = "redis")]
         assert!(err("redis://127.0.0.1/x").contains("database"));
         assert!(err("redis://h/0?db=1").contains("unknown query parameter"));
     }
@@ -563,6 +635,7 @@ mod tests {
             assert!(!u.display().contains("hunter2"), "{}", u.display());
         }
         for s in [
+            #[cfg(feature = "redis")]
             "redis://user:hunter2@h:1/notadb",
             "redis://user:hunter2@",
             "etcd://root:hunter2@a",
