@@ -73,8 +73,8 @@ pub trait LeaderElector: StatusSource {
 /// use tokio_util::sync::CancellationToken;
 ///
 /// // On Kubernetes, as k0s does (crate `leasehold-kube`):
-/// //   let store = Arc::new(KubeStore::from_env(
-/// //       KubeStoreConfig::default().namespace(leasehold::k0s::NODE_LEASE_NAMESPACE),
+/// //   let store = Arc::new(KubeStore::connect(
+/// //       KubeConfig::new().with_namespace(leasehold::k0s::NODE_LEASE_NAMESPACE),
 /// //   ).await?);
 /// let config = LeaderLease::default_config(LeaseKey::new("k0s-endpoint-reconciler")?, "node-1");
 /// assert_eq!(
