@@ -253,7 +253,7 @@ fn identity_of(v: Option<&Versioned>) -> Option<(String, u64, Duration)> {
 }
 
 fn human_line(lease: &str, v: Option<&Versioned>, corrupt: Option<&str>) -> String {
-    let now = jiff::Timestamp::now();
+    let now = jiff::Timestamp::now().strftime("%Y-%m-%dT%H:%M:%S%.3fZ");
     match (v, corrupt) {
         (_, Some(reason)) => {
             format!("{now} {lease}: holds data that is not a lease record: {reason}")
