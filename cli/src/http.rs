@@ -1,8 +1,9 @@
 //! `leasehold run --http ADDR`: `/healthz` and `/metrics` (Prometheus text).
 //!
-//! `/healthz` answers 200 `ok` while [`Elector::check_health`] is fine, and 500 with its message
-//! when the elector believes it leads but its last confirmed renewal is older than the renew
-//! deadline (client-go's `HealthzAdaptor`), or when it failed. `/metrics` renders every metric
+//! `/healthz` answers 200 `ok` while [`Elector::check_health_within`] (with `--healthz-timeout`)
+//! is fine, and 500 with its message when the elector believes it leads but its last confirmed
+//! renewal is older than the renew deadline plus that timeout (client-go's `HealthzAdaptor`), or
+//! when it failed. `/metrics` renders every metric
 //! emitted through the `metrics` facade (the library's own, and the command's
 //! `leasehold_command_running{lease}` gauge and `leasehold_command_starts_total{lease}` counter).
 
@@ -55,7 +56,7 @@ impl Server {
     }
 
     /// Serves in the background (on the current runtime) for as long as the process lives.
-    pub(crate) fn serve(self, elector: Elector) {
+    pub(crate) fn serve(self, elector: Elector, healthz_timeout: std::time::Duration) {
         let Server { listener, metrics } = self;
         tokio::spawn(async move {
             loop {
@@ -67,7 +68,13 @@ impl Server {
                 let metrics = metrics.clone();
                 tokio::spawn(async move {
                     let svc = service_fn(move |req: Request<Incoming>| {
-                        let r = respond(req.method(), req.uri().path(), &elector, &metrics);
+                        let r = respond(
+                            req.method(),
+                            req.uri().path(),
+                            &elector,
+                            healthz_timeout,
+                            &metrics,
+                        );
                         async move { Ok::<_, Infallible>(r) }
                     });
                     let _ = http1::Builder::new()
@@ -93,13 +100,14 @@ fn respond(
     method: &Method,
     path: &str,
     elector: &Elector,
+    healthz_timeout: std::time::Duration,
     metrics: &PrometheusHandle,
 ) -> Response<Full<Bytes>> {
     if method != Method::GET {
         return text(StatusCode::METHOD_NOT_ALLOWED, "only GET\n".into());
     }
     match path {
-        "/healthz" => healthz(elector.check_health()),
+        "/healthz" => healthz(elector.check_health_within(healthz_timeout)),
         "/metrics" => {
             metrics.run_upkeep();
             let mut r = text(StatusCode::OK, metrics.render());

@@ -159,6 +159,10 @@ struct RunArgs {
     /// Serve /healthz and /metrics (Prometheus) on this address, e.g. 127.0.0.1:9090.
     #[arg(long, value_name = "ADDR")]
     http: Option<std::net::SocketAddr>,
+    /// /healthz fails when leasehold believes it leads but its last renewal is older than
+    /// --renew-deadline plus this (client-go's HealthzAdaptor timeout), or when it failed.
+    #[arg(long, value_name = "DURATION", default_value = "10s", value_parser = duration)]
+    healthz_timeout: Duration,
     /// The command and its arguments (after `--`).
     #[arg(
         last = true,

@@ -120,7 +120,7 @@ pub(crate) async fn run(args: RunArgs) -> Result<u8, CliError> {
         .map_err(|e| CliError::store("cannot start the elector", e))?;
     if let Some(server) = metrics {
         let addr = server.local_addr();
-        server.serve(elector.clone());
+        server.serve(elector.clone(), args.healthz_timeout);
         say(format!("serving /healthz and /metrics on http://{addr}"));
     }
     say(format!(

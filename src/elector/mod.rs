@@ -523,28 +523,45 @@ impl Elector {
 
     /// Health check (client-go's `HealthzAdaptor`): fails when the elector believes it leads but
     /// its term's validity has passed — its last confirmed renewal was sent more than
-    /// `renew_deadline` ago, so its task is stuck — or when its task failed.
+    /// `renew_deadline` ago, so its task is stuck — or when its task failed. The same as
+    /// [`check_health_within`](Self::check_health_within) with no tolerance.
     ///
     /// # Errors
     /// [`Error::Unhealthy`], or [`Error::ElectorFailed`].
     pub fn check_health(&self) -> Result<()> {
+        self.check_health_within(Duration::ZERO)
+    }
+
+    /// Health check with a tolerance, as client-go's `HealthzAdaptor` with a timeout: fails
+    /// when the elector believes it leads but its last confirmed renewal was sent more than
+    /// `renew_deadline + tolerance` ago, or when its task failed. A term that was revoked while
+    /// still published as leading fails whatever the tolerance. Use a tolerance for a liveness
+    /// probe that should not restart a process over a short stall.
+    ///
+    /// # Errors
+    /// [`Error::Unhealthy`], or [`Error::ElectorFailed`].
+    pub fn check_health_within(&self, tolerance: Duration) -> Result<()> {
         if let Some(e) = self.inner.shared.failure() {
             return Err(e);
         }
         let cfg = &self.inner.shared.config;
-        if let LeaderStatus::Leading(l) = self.inner.shared.status.get()
-            && !l.is_valid()
-        {
-            let since = match l.valid_until() {
-                Some(v) => (Instant::now() + cfg.renew_deadline).saturating_duration_since(v),
-                None => cfg.renew_deadline,
+        if let LeaderStatus::Leading(l) = self.inner.shared.status.get() {
+            let now = Instant::now();
+            let stale = match l.valid_until() {
+                Some(v) => {
+                    let since = (now + cfg.renew_deadline).saturating_duration_since(v);
+                    (since > cfg.renew_deadline + tolerance).then_some(since)
+                }
+                None => (!l.is_valid()).then_some(cfg.renew_deadline),
             };
-            return Err(Error::Unhealthy {
-                key: cfg.key.to_string(),
-                identity: cfg.identity.clone(),
-                since,
-                renew_deadline: cfg.renew_deadline,
-            });
+            if let Some(since) = stale {
+                return Err(Error::Unhealthy {
+                    key: cfg.key.to_string(),
+                    identity: cfg.identity.clone(),
+                    since,
+                    renew_deadline: cfg.renew_deadline,
+                });
+            }
         }
         Ok(())
     }
