@@ -393,7 +393,9 @@ impl Shared {
 /// An `Elector` is a cheap handle: clones share the one elector (like `kube::Client`), so a
 /// clone can be moved into `tokio::spawn` or [`run_leader_tasks`](crate::run_leader_tasks).
 /// Dropping the last handle shuts the elector down in the background (in order, as
-/// [`Elector::shutdown`] does); call `shutdown` on any handle to wait for that.
+/// [`Elector::shutdown`] does); call `shutdown` on any handle to wait for that. A clone given to
+/// [`run_leader_tasks`](crate::run_leader_tasks) is a handle too and keeps the elector running:
+/// end it with `shutdown` (then `run_leader_tasks` returns) or by cancelling its token.
 #[derive(Clone)]
 pub struct Elector {
     inner: Arc<Handle>,
