@@ -17,9 +17,16 @@ use leasehold_redis::{RedisConfig, RedisStore};
 const EVENTUALLY: Duration = Duration::from_secs(60);
 
 async fn fast_store(url: &str) -> RedisStore {
+    fast_store_in(url, &unique_prefix()).await
+}
+
+/// A store with its own connections on the key namespace `prefix`: candidates that must
+/// compete for one lease need the same prefix (a store of their own each, as separate
+/// processes have).
+async fn fast_store_in(url: &str, prefix: &str) -> RedisStore {
     let cfg = RedisConfig::new(url)
         .unwrap()
-        .with_prefix(unique_prefix())
+        .with_prefix(prefix)
         .with_operation_timeout(Duration::from_millis(300))
         .with_connect_timeout(Duration::from_millis(300))
         .with_watch_ping_interval(Duration::from_millis(200));
@@ -230,9 +237,18 @@ async fn leader_steps_down_when_the_server_dies_and_an_elector_leads_after_resta
     let mut srv = Server::start();
     let url = srv.url();
     let k = key("fault-kill");
-    let a = Elector::spawn(Arc::new(fast_store(&url).await), elector_config(&k, "a")).unwrap();
+    let prefix = unique_prefix();
+    let a = Elector::spawn(
+        Arc::new(fast_store_in(&url, &prefix).await),
+        elector_config(&k, "a"),
+    )
+    .unwrap();
     wait_until(&a, true).await;
-    let b = Elector::spawn(Arc::new(fast_store(&url).await), elector_config(&k, "b")).unwrap();
+    let b = Elector::spawn(
+        Arc::new(fast_store_in(&url, &prefix).await),
+        elector_config(&k, "b"),
+    )
+    .unwrap();
 
     srv.kill();
     let took = wait_until(&a, false).await;
@@ -253,9 +269,18 @@ async fn leader_steps_down_while_the_server_is_paused_and_leads_again_after_resu
     let srv = Server::start();
     let url = srv.url();
     let k = key("fault-pause");
-    let a = Elector::spawn(Arc::new(fast_store(&url).await), elector_config(&k, "a")).unwrap();
+    let prefix = unique_prefix();
+    let a = Elector::spawn(
+        Arc::new(fast_store_in(&url, &prefix).await),
+        elector_config(&k, "a"),
+    )
+    .unwrap();
     wait_until(&a, true).await;
-    let b = Elector::spawn(Arc::new(fast_store(&url).await), elector_config(&k, "b")).unwrap();
+    let b = Elector::spawn(
+        Arc::new(fast_store_in(&url, &prefix).await),
+        elector_config(&k, "b"),
+    )
+    .unwrap();
 
     srv.pause();
     let took = wait_until(&a, false).await;
