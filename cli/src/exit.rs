@@ -84,7 +84,10 @@ impl CliError {
             }
             _ => "",
         };
-        CliError::new(code, format!("{context}: {e}{hint}"))
+        let message = e.to_string();
+        // A store's own message usually ends with its advice in brackets already.
+        let hint = if message.ends_with(')') { "" } else { hint };
+        CliError::new(code, format!("{context}: {message}{hint}"))
     }
 }
 

@@ -205,7 +205,9 @@ pub(crate) async fn run(args: RunArgs) -> Result<u8, CliError> {
             Ok(exit::LEASE_LOST)
         }
         Some(Outcome::Exited(s) | Outcome::Stopped(s)) => {
-            say(format!("released lease {key}"));
+            // The elector logs whether the release write landed; a failed one leaves the
+            // lease to expire.
+            say(format!("done with lease {key}"));
             Ok(exit::code_of_status(s))
         }
         None => match sig {
@@ -364,7 +366,7 @@ impl TaskCtx<'_> {
                     match cause {
                         Some(StopCause::LeaseLost) => "leadership ended: the lease was lost",
                         Some(StopCause::SteppedDown) => "leadership ended: stepping down",
-                        _ => "stopping",
+                        _ => "leasehold is stopping",
                     },
                     pgid.as_raw_nonzero(),
                     humantime::format_duration(grace)
