@@ -720,50 +720,11 @@ fn run_exits_on_missing_rbac() {
     drop(server);
 }
 
-/// A CA, a server certificate for 127.0.0.1 and a client certificate, all PEM.
-struct Pki {
-    ca: String,
-    cert: String,
-    key: String,
-    client_cert: String,
-    client_key: String,
-}
-
-fn pki() -> Pki {
-    use rcgen::{
-        BasicConstraints, CertificateParams, CertifiedIssuer, DnType, ExtendedKeyUsagePurpose,
-        IsCa, KeyPair, SanType,
-    };
-    let mut ca_params = CertificateParams::new(Vec::<String>::new()).unwrap();
-    ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-    ca_params
-        .distinguished_name
-        .push(DnType::CommonName, "leasehold cli test CA");
-    let ca = CertifiedIssuer::self_signed(ca_params, KeyPair::generate().unwrap()).unwrap();
-    let mut server = CertificateParams::new(vec!["localhost".to_owned()]).unwrap();
-    server
-        .subject_alt_names
-        .push(SanType::IpAddress("127.0.0.1".parse().unwrap()));
-    let key = KeyPair::generate().unwrap();
-    let cert = server.signed_by(&key, &ca).unwrap();
-    let mut client = CertificateParams::new(vec!["leasehold-client".to_owned()]).unwrap();
-    client.extended_key_usages = vec![ExtendedKeyUsagePurpose::ClientAuth];
-    let client_key = KeyPair::generate().unwrap();
-    let client_cert = client.signed_by(&client_key, &ca).unwrap();
-    Pki {
-        ca: ca.pem(),
-        cert: cert.pem(),
-        key: key.serialize_pem(),
-        client_cert: client_cert.pem(),
-        client_key: client_key.serialize_pem(),
-    }
-}
-
 /// `rediss://` with --tls-ca, a client certificate (mutual TLS) and a password from
 /// LEASEHOLD_PASSWORD; a wrong password exits 77 without printing it.
 #[test]
 fn tls_flags_and_passwords_on_rediss() {
-    let pki = pki();
+    let pki = redis_common::pki();
     let dir = tempfile::tempdir().unwrap();
     let file = |name: &str, text: &str| {
         let p = dir.path().join(name);
@@ -771,13 +732,13 @@ fn tls_flags_and_passwords_on_rediss() {
         p.display().to_string()
     };
     let (ca, cert, key) = (
-        file("ca.pem", &pki.ca),
-        file("server.pem", &pki.cert),
-        file("server.key", &pki.key),
+        file("ca.pem", &pki.ca_pem),
+        file("server.pem", &pki.cert_pem),
+        file("server.key", &pki.key_pem),
     );
     let (client_cert, client_key) = (
-        file("client.pem", &pki.client_cert),
-        file("client.key", &pki.client_key),
+        file("client.pem", &pki.client_cert_pem),
+        file("client.key", &pki.client_key_pem),
     );
     let server = redis_common::Server::start_with(
         &[

@@ -10,10 +10,6 @@ use common::*;
 use futures::StreamExt;
 use leasehold::{Error, LeaseStore, WatchEvent};
 use leasehold_redis::{RedisConfig, RedisStore};
-use rcgen::{
-    BasicConstraints, CertificateParams, CertifiedIssuer, DnType, ExtendedKeyUsagePurpose, IsCa,
-    KeyPair, SanType,
-};
 
 async fn connect(url: &str) -> leasehold::Result<RedisStore> {
     let cfg = RedisConfig::new(url).unwrap().with_prefix(unique_prefix());
@@ -116,45 +112,6 @@ async fn acl_users_authenticate_and_missing_permissions_are_named() {
             assert!(e.to_string().contains("EVALSHA"), "{e}");
         }
         other => panic!("expected PermissionDenied, got {other:?}"),
-    }
-}
-
-struct Pki {
-    ca_pem: String,
-    cert_pem: String,
-    key_pem: String,
-    client_cert_pem: String,
-    client_key_pem: String,
-}
-
-fn ca(name: &str) -> CertifiedIssuer<'static, KeyPair> {
-    let mut params = CertificateParams::new(Vec::<String>::new()).unwrap();
-    params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-    params.distinguished_name.push(DnType::CommonName, name);
-    CertifiedIssuer::self_signed(params, KeyPair::generate().unwrap()).unwrap()
-}
-
-fn pki() -> Pki {
-    let ca = ca("leasehold test CA");
-    let mut params = CertificateParams::new(vec!["localhost".to_owned()]).unwrap();
-    params
-        .subject_alt_names
-        .push(SanType::IpAddress("127.0.0.1".parse().unwrap()));
-    let key = KeyPair::generate().unwrap();
-    let cert = params.signed_by(&key, &ca).unwrap();
-    let mut client = CertificateParams::new(vec!["leasehold-client".to_owned()]).unwrap();
-    client
-        .distinguished_name
-        .push(DnType::CommonName, "leasehold-client");
-    client.extended_key_usages = vec![ExtendedKeyUsagePurpose::ClientAuth];
-    let client_key = KeyPair::generate().unwrap();
-    let client_cert = client.signed_by(&client_key, &ca).unwrap();
-    Pki {
-        ca_pem: ca.pem(),
-        cert_pem: cert.pem(),
-        key_pem: key.serialize_pem(),
-        client_cert_pem: client_cert.pem(),
-        client_key_pem: client_key.serialize_pem(),
     }
 }
 

@@ -28,6 +28,10 @@ use std::time::{Duration, Instant};
 
 use leasehold::{DynLeaseStore, LeaseKey, LeaseRecord};
 use leasehold_redis::{RedisConfig, RedisStore};
+use rcgen::{
+    BasicConstraints, CertificateParams, CertifiedIssuer, DnType, ExtendedKeyUsagePurpose, IsCa,
+    KeyPair, SanType,
+};
 
 /// How long a starting server may take before the fixture gives up (generous: slow CI).
 const START_LIMIT: Duration = Duration::from_secs(30);
@@ -455,5 +459,46 @@ impl Cluster {
             Cluster::cli(n.port, &["CLUSTER", "SETSLOT", &s, "NODE", &to_id]);
         }
         self.wait_until_ok();
+    }
+}
+
+/// Test certificates, generated with rcgen: a CA, a server certificate for `localhost` and
+/// 127.0.0.1, and a client certificate (mutual TLS), all PEM.
+pub struct Pki {
+    pub ca_pem: String,
+    pub cert_pem: String,
+    pub key_pem: String,
+    pub client_cert_pem: String,
+    pub client_key_pem: String,
+}
+
+pub fn ca(name: &str) -> CertifiedIssuer<'static, KeyPair> {
+    let mut params = CertificateParams::new(Vec::<String>::new()).unwrap();
+    params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    params.distinguished_name.push(DnType::CommonName, name);
+    CertifiedIssuer::self_signed(params, KeyPair::generate().unwrap()).unwrap()
+}
+
+pub fn pki() -> Pki {
+    let ca = ca("leasehold test CA");
+    let mut params = CertificateParams::new(vec!["localhost".to_owned()]).unwrap();
+    params
+        .subject_alt_names
+        .push(SanType::IpAddress("127.0.0.1".parse().unwrap()));
+    let key = KeyPair::generate().unwrap();
+    let cert = params.signed_by(&key, &ca).unwrap();
+    let mut client = CertificateParams::new(vec!["leasehold-client".to_owned()]).unwrap();
+    client
+        .distinguished_name
+        .push(DnType::CommonName, "leasehold-client");
+    client.extended_key_usages = vec![ExtendedKeyUsagePurpose::ClientAuth];
+    let client_key = KeyPair::generate().unwrap();
+    let client_cert = client.signed_by(&client_key, &ca).unwrap();
+    Pki {
+        ca_pem: ca.pem(),
+        cert_pem: cert.pem(),
+        key_pem: key.serialize_pem(),
+        client_cert_pem: client_cert.pem(),
+        client_key_pem: client_key.serialize_pem(),
     }
 }
