@@ -444,6 +444,18 @@ mod tests {
     use super::*;
 
     #[tokio::test]
+    async fn the_wait_ends_when_every_publisher_is_gone() {
+        let cell = StatusCell::default();
+        let (_, changed) = cell.current_status();
+        let mut changed = Box::pin(changed);
+        assert!(futures::poll!(changed.as_mut()).is_pending());
+        drop(cell);
+        tokio::time::timeout(std::time::Duration::from_secs(5), changed)
+            .await
+            .expect("the wait ends once the cell is gone");
+    }
+
+    #[tokio::test]
     async fn notifies_only_on_real_changes() {
         let cell = StatusCell::default();
         let (_, changed) = cell.current_status();

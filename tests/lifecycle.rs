@@ -303,3 +303,33 @@ fn a_stuck_leader_is_unhealthy_after_its_deadline_plus_the_tolerance() {
     println!("saw a stale leader within the tolerance: {saw_tolerated}");
     rt.block_on(async { elector.shutdown().await.expect("clean") });
 }
+
+#[tokio::test(start_paused = true)]
+async fn a_clone_held_by_run_leader_tasks_keeps_the_elector_running() {
+    let store: DynLeaseStore = Arc::new(MemoryStore::new());
+    let elector = Elector::spawn(store, config("held")).expect("valid config");
+    let mut status = elector.subscribe();
+    let token = CancellationToken::new();
+    let tasks = tokio::spawn(run_leader_tasks(
+        token.clone(),
+        elector.clone(),
+        |leader| async move { leader.cancelled().await },
+    ));
+    leading(&elector).await;
+    drop(elector);
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    assert!(
+        status.borrow_and_update().is_leading(),
+        "the clone inside run_leader_tasks keeps the elector leading"
+    );
+    // Cancelling the token ends run_leader_tasks, which drops the last handle: the elector stops.
+    token.cancel();
+    tasks.await.expect("run_leader_tasks returned");
+    tokio::time::timeout(
+        Duration::from_secs(60),
+        status.wait_for(LeaderStatus::is_stopped),
+    )
+    .await
+    .expect("the last handle's drop stops the elector")
+    .expect("the status reports the stop");
+}

@@ -395,7 +395,8 @@ impl Shared {
 /// Dropping the last handle shuts the elector down in the background (in order, as
 /// [`Elector::shutdown`] does); call `shutdown` on any handle to wait for that. A clone given to
 /// [`run_leader_tasks`](crate::run_leader_tasks) is a handle too and keeps the elector running:
-/// end it with `shutdown` (then `run_leader_tasks` returns) or by cancelling its token.
+/// end it with `shutdown` (then `run_leader_tasks` returns) or by cancelling its token (then
+/// `run_leader_tasks` drops its handle, and if that was the last one, the elector shuts down).
 #[derive(Clone)]
 pub struct Elector {
     inner: Arc<Handle>,
@@ -536,8 +537,7 @@ impl Elector {
 
     /// Health check with a tolerance, as client-go's `HealthzAdaptor` with a timeout: fails
     /// when the elector believes it leads but its last confirmed renewal was sent more than
-    /// `renew_deadline + tolerance` ago, or when its task failed. A term that was revoked while
-    /// still published as leading fails whatever the tolerance. Use a tolerance for a liveness
+    /// `renew_deadline + tolerance` ago, or when its task failed. Use a tolerance for a liveness
     /// probe that should not restart a process over a short stall.
     ///
     /// # Errors
