@@ -477,7 +477,6 @@ impl Elector {
         );
         let driver = Driver {
             machine,
-            store_name: store.name(),
             store,
             shared: shared.clone(),
         };
@@ -709,7 +708,6 @@ type Pending<T> = Option<BoxFuture<'static, T>>;
 struct Driver {
     machine: Machine,
     store: DynLeaseStore,
-    store_name: &'static str,
     shared: Arc<Shared>,
 }
 
@@ -778,7 +776,7 @@ impl Driver {
                     let after = deadline.saturating_duration_since(Instant::now());
                     let id = req.id;
                     let op = req.op;
-                    let store_name = self.store_name;
+                    let store_name = self.shared.store_name;
                     io.request_sent = Some(Instant::now());
                     io.request = Some(Box::pin(async move {
                         let r = tokio::time::timeout_at(deadline, call(store, key, op))
@@ -801,7 +799,7 @@ impl Driver {
                     let key = self.shared.config.key.clone();
                     let deadline = Instant::from_std(deadline);
                     let limit = deadline.saturating_duration_since(Instant::now());
-                    let store_name = self.store_name;
+                    let store_name = self.shared.store_name;
                     io.opening = Some(Box::pin(async move {
                         let r =
                             tokio::time::timeout_at(deadline, store.watch(&key, after.as_ref()))
