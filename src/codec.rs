@@ -35,6 +35,10 @@ struct Wire {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     renew_time: Option<String>,
     leader_transitions: u64,
+    /// Written by an acquisition whose token is assigned at commit: the record's token is the
+    /// larger of `leaderTransitions` and the version the store gave this write.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    leasehold_token_from_version: bool,
 }
 
 /// Rounds a duration up to whole seconds, as stores with second granularity keep it.
@@ -97,22 +101,64 @@ pub fn parse_time(s: &str) -> std::result::Result<SystemTime, String> {
 
 /// Encodes a record as client-go `LeaderElectionRecord` JSON.
 pub fn encode(record: &LeaseRecord) -> Vec<u8> {
+    encode_wire(record, false)
+}
+
+/// Encodes an acquisition whose fencing token a store assigns at commit from the write's own
+/// version (a revision or counter that only grows), for
+/// [`LeaseStore::acquire`](crate::LeaseStore::acquire): `leaderTransitions` holds `floor` (the
+/// caller's lower bound, `record.transitions`) and the field `leaseholdTokenFromVersion: true`
+/// tells [`decode`] that the token is the larger of that and the version. Renewals then write
+/// the token itself with [`encode`].
+///
+/// ```
+/// use leasehold::{LeaseKey, LeaseRecord, Version, codec};
+/// # let record = LeaseRecord { holder_identity: "a".into(), lease_duration: std::time::Duration::from_secs(15), acquire_time: None, renew_time: None, transitions: 5 };
+/// let bytes = codec::encode_acquisition(&record);
+/// let key = LeaseKey::new("k").unwrap();
+/// assert_eq!(codec::decode(&key, &bytes, Some(&Version::from(42u64))).unwrap().transitions, 42);
+/// assert_eq!(codec::decode(&key, &bytes, Some(&Version::from(3u64))).unwrap().transitions, 5);
+/// ```
+pub fn encode_acquisition(record: &LeaseRecord) -> Vec<u8> {
+    encode_wire(record, true)
+}
+
+/// The fencing token an acquisition encoded by [`encode_acquisition`] gets at `version`.
+///
+/// # Errors
+/// A message when the version is not a whole number (the store cannot assign tokens from it).
+pub fn token_at_version(floor: u64, version: &Version) -> std::result::Result<u64, String> {
+    version
+        .as_str()
+        .parse::<u64>()
+        .map(|v| v.max(floor))
+        .map_err(|_| {
+            format!(
+                "the record's token is its version, but version {version} is not a whole number"
+            )
+        })
+}
+
+fn encode_wire(record: &LeaseRecord, token_from_version: bool) -> Vec<u8> {
     let wire = Wire {
         holder_identity: record.holder_identity.clone(),
         lease_duration_seconds: duration_to_whole_seconds(record.lease_duration),
         acquire_time: record.acquire_time.map(format_micro_time),
         renew_time: record.renew_time.map(format_micro_time),
         leader_transitions: record.transitions,
+        leasehold_token_from_version: token_from_version,
     };
-    // Serializing a struct of strings and integers cannot fail.
+    // Serializing a struct of strings, integers and a bool cannot fail.
     serde_json::to_vec(&wire).unwrap_or_default()
 }
 
-/// Decodes bytes written by [`encode`].
+/// Decodes bytes written by [`encode`] or [`encode_acquisition`] (then the token is resolved
+/// against `version`).
 ///
 /// # Errors
 /// [`Error::Corrupt`] naming `key` and saying what is wrong when the bytes are not such a record
-/// (not UTF-8, not JSON, a missing or mistyped field, an unparsable time).
+/// (not UTF-8, not JSON, a missing or mistyped field, an unparsable time, an acquisition without
+/// a usable version).
 pub fn decode(key: &LeaseKey, bytes: &[u8], version: Option<&Version>) -> Result<LeaseRecord> {
     let corrupt = |reason: String| Error::Corrupt {
         key: key.to_string(),
@@ -137,12 +183,20 @@ pub fn decode(key: &LeaseKey, bytes: &[u8], version: Option<&Version>) -> Result
         .map(parse_time)
         .transpose()
         .map_err(|e| corrupt(format!("renewTime: {e}")))?;
+    let transitions = if wire.leasehold_token_from_version {
+        let version = version.ok_or_else(|| {
+            corrupt("an acquisition whose token is its version, read without a version".into())
+        })?;
+        token_at_version(wire.leader_transitions, version).map_err(corrupt)?
+    } else {
+        wire.leader_transitions
+    };
     Ok(LeaseRecord {
         holder_identity: wire.holder_identity,
         lease_duration: Duration::from_secs(wire.lease_duration_seconds),
         acquire_time,
         renew_time,
-        transitions: wire.leader_transitions,
+        transitions,
     })
 }
 

@@ -112,6 +112,127 @@ fn put_version(ev: WatchEvent, what: &str) -> (LeaseRecord, Version) {
 // ---------------------------------------------------------------------------------------------
 // Store cases
 
+/// `acquire` should assign each acquisition a fencing token at commit, above every token
+/// assigned before for the key, also after the record was deleted and created again (a create
+/// that commits after a delete, however late it was sent); readers should see the token as the
+/// record's `transitions`; it should fail like `create` and `update` do. A store without commit
+/// tokens should answer `Unsupported`.
+pub async fn store_acquire_assigns_tokens_at_commit(store: DynLeaseStore) {
+    let key = unique_key("acquire");
+    let rec = sample_record("a", 0);
+    if !store.capabilities().commit_tokens {
+        match store.acquire(&key, &rec, None).await {
+            Err(Error::Unsupported { .. }) => {}
+            other => panic!("a store without commit tokens answers acquire with {other:?}"),
+        }
+        assert!(
+            fail("get", store.get(&key).await).is_none(),
+            "an unsupported acquire writes nothing"
+        );
+        return;
+    }
+    let first = fail("acquire (create)", store.acquire(&key, &rec, None).await);
+    let got = fail("get", store.get(&key).await).expect("the acquired record exists");
+    assert_eq!(
+        got.version, first.version,
+        "get returns the acquire's version"
+    );
+    assert_eq!(
+        got.record.transitions, first.fencing_token,
+        "the stored record carries the assigned token"
+    );
+    assert_eq!(got.record.holder_identity, "a");
+    assert!(matches!(
+        store.acquire(&key, &rec, None).await,
+        Err(Error::AlreadyExists { .. })
+    ));
+    // A renewal writes the token explicitly; the next acquisition gets a higher one.
+    let renewed = LeaseRecord {
+        transitions: first.fencing_token,
+        ..sample_record("a", 0)
+    };
+    let v = fail("update", store.update(&key, &renewed, &first.version).await);
+    assert!(matches!(
+        store.acquire(&key, &rec, Some(&first.version)).await,
+        Err(Error::Conflict { .. })
+    ));
+    let second = fail(
+        "acquire (update)",
+        store.acquire(&key, &sample_record("b", 0), Some(&v)).await,
+    );
+    assert!(
+        second.fencing_token > first.fencing_token,
+        "token {} after {}",
+        second.fencing_token,
+        first.fencing_token
+    );
+    let mut watch = fail("watch", store.watch(&key, Some(&second.version)).await);
+    fail("delete", store.delete(&key, &second.version).await);
+    assert!(matches!(
+        next_event(&mut watch, "delete").await,
+        WatchEvent::Deleted
+    ));
+    assert!(matches!(
+        store.acquire(&key, &rec, Some(&second.version)).await,
+        Err(Error::NotFound { .. })
+    ));
+    let third = fail(
+        "acquire (create after delete)",
+        store.acquire(&key, &sample_record("c", 0), None).await,
+    );
+    assert!(
+        third.fencing_token > second.fencing_token,
+        "a create after a delete gets token {} after {}",
+        third.fencing_token,
+        second.fencing_token
+    );
+    let (seen, version) = put_version(next_event(&mut watch, "re-create").await, "re-create");
+    assert_eq!(version, third.version);
+    assert_eq!(
+        seen.transitions, third.fencing_token,
+        "watchers see the token"
+    );
+    let listed = fail("list", store.list(&prefix_of(&key)).await);
+    assert_eq!(listed.len(), 1);
+    assert_eq!(
+        listed[0].1.record.transitions, third.fencing_token,
+        "list sees the token"
+    );
+    cleanup(&store, &key).await;
+}
+
+/// `acquire` should assign at least the record's `transitions` (the caller's floor), even when
+/// that is far above the store's own source (another writer raised the token it replaces).
+pub async fn store_acquire_honours_the_floor(store: DynLeaseStore) {
+    if !store.capabilities().commit_tokens {
+        // Checked to answer Unsupported by store_acquire_assigns_tokens_at_commit.
+        return;
+    }
+    let key = unique_key("acquire-high");
+    let high = 1u64 << 60;
+    let v = fail(
+        "create",
+        store.create(&key, &sample_record("x", high)).await,
+    );
+    let a = fail(
+        "acquire",
+        store
+            .acquire(&key, &sample_record("a", high + 1), Some(&v))
+            .await,
+    );
+    assert!(
+        a.fencing_token > high,
+        "token {} replaces a record with token {high}",
+        a.fencing_token
+    );
+    let got = fail("get", store.get(&key).await).expect("the acquired record exists");
+    assert_eq!(
+        got.record.transitions, a.fencing_token,
+        "get sees the token"
+    );
+    cleanup(&store, &key).await;
+}
+
 /// Create, get, update and delete should round-trip a record and move its version.
 pub async fn store_create_get_update_delete(store: DynLeaseStore) {
     let key = unique_key("crud");
@@ -631,6 +752,16 @@ pub async fn create_released(store: &DynLeaseStore, key: &LeaseKey) {
     fail("create", store.create(key, &record).await);
 }
 
+/// The random prefix of a key made by [`unique_key`].
+fn prefix_of(key: &LeaseKey) -> KeyPrefix {
+    let p: String = key
+        .as_str()
+        .chars()
+        .take("lh-0123456789abcdef-".len())
+        .collect();
+    KeyPrefix::new(&p).unwrap_or_else(|e| panic!("prefix {p:?} is invalid: {e}"))
+}
+
 async fn cleanup(store: &DynLeaseStore, key: &LeaseKey) {
     if let Ok(Some(v)) = store.get(key).await {
         let _ = store.delete(key, &v.version).await;
@@ -811,9 +942,11 @@ pub async fn elector_renew_failure_steps_down_first(store: DynLeaseStore) {
     cleanup(&store, &key).await;
 }
 
-/// The fencing token should grow by one with every acquisition of an existing record, also for a
-/// new elector instance with a previous holder's identity.
+/// The fencing token should grow with every acquisition of an existing record, also for a new
+/// elector instance with a previous holder's identity: by exactly one on a store without commit
+/// tokens (client-go's `leaseTransitions`), strictly on one that assigns them at commit.
 pub async fn elector_fencing_token_increases(store: DynLeaseStore) {
+    let commit = store.capabilities().commit_tokens;
     let key = unique_key("fencing");
     let h = handle(&store);
     let mut last: Option<u64> = None;
@@ -821,11 +954,15 @@ pub async fn elector_fencing_token_increases(store: DynLeaseStore) {
         let e = spawn(&h, &key, "same-identity");
         let (t, _) = Monitor::new(&e, "e").leading().await;
         if let Some(prev) = last {
-            assert_eq!(
-                t,
-                prev + 1,
-                "acquisition {round} has the previous token + 1"
-            );
+            if commit {
+                assert!(t > prev, "acquisition {round}: token {t} after {prev}");
+            } else {
+                assert_eq!(
+                    t,
+                    prev + 1,
+                    "acquisition {round} has the previous token + 1"
+                );
+            }
         }
         last = Some(t);
         e.shutdown().await.expect("the elector shuts down cleanly");
@@ -1042,6 +1179,8 @@ macro_rules! for_each_conformance_case {
             store_unicode_and_max_length_round_trip,
             store_record_fields_round_trip,
             store_independent_keys_do_not_interfere,
+            store_acquire_assigns_tokens_at_commit,
+            store_acquire_honours_the_floor,
             elector_single_candidate_acquires,
             elector_exactly_one_leader,
             elector_graceful_handover,

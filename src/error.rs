@@ -150,6 +150,21 @@ pub enum Error {
         source: Option<BoxError>,
     },
 
+    /// No fencing token above `last` can be issued for the lease: the token space is used up, or
+    /// (on a store that cannot compare it at commit) the record carries a token above what the
+    /// store's source can issue. Another writer most likely put it there. No new term can start
+    /// on the key until an operator deletes it (tokens then start from the store's source
+    /// again, which fencing systems that saw the high value will reject). Do not retry.
+    #[error(
+        "no fencing token above {last} can be issued for lease {key:?}, so no new term can start on it; another writer probably set it: delete the key to start over"
+    )]
+    TokenExhausted {
+        /// The key.
+        key: String,
+        /// The highest token seen.
+        last: u64,
+    },
+
     /// The elector has been shut down; the call cannot be served any more.
     #[error("the elector for lease {key:?} has shut down")]
     Shutdown {
@@ -235,6 +250,7 @@ impl Error {
             Error::Invalid { .. } => "invalid",
             Error::Unsupported { .. } => "unsupported",
             Error::Store { .. } => "store",
+            Error::TokenExhausted { .. } => "token_exhausted",
             Error::Shutdown { .. } => "shutdown",
             Error::NotLeading { .. } => "not_leading",
             Error::ElectorFailed { .. } => "elector_failed",

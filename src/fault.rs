@@ -27,8 +27,8 @@ use tokio_stream::wrappers::ReceiverStream;
 
 use crate::error::{Error, Result};
 use crate::store::{
-    Capabilities, DynLeaseStore, KeyPrefix, LeaseKey, LeaseRecord, LeaseStore, Version, Versioned,
-    WatchStream,
+    Acquired, Capabilities, DynLeaseStore, KeyPrefix, LeaseKey, LeaseRecord, LeaseStore, Version,
+    Versioned, WatchStream,
 };
 
 #[derive(Debug, Default)]
@@ -247,6 +247,16 @@ impl LeaseStore for FaultyStore {
     async fn list(&self, prefix: &KeyPrefix) -> Result<Vec<(LeaseKey, Versioned)>> {
         self.faults.before(self.name(), "list").await?;
         self.inner.list(prefix).await
+    }
+
+    async fn acquire(
+        &self,
+        key: &LeaseKey,
+        record: &LeaseRecord,
+        expected: Option<&Version>,
+    ) -> Result<Acquired> {
+        self.faults.before(self.name(), "acquire").await?;
+        self.inner.acquire(key, record, expected).await
     }
 
     async fn fencing_seed(&self, key: &LeaseKey) -> Result<u64> {

@@ -26,8 +26,8 @@ pub mod harness;
 pub use error::{BoxError, Error, Result};
 pub use memory::MemoryStore;
 pub use store::{
-    Capabilities, DynLeaseStore, KeyPrefix, LeaseKey, LeaseRecord, LeaseStore, Version, Versioned,
-    WatchEvent, WatchStream,
+    Acquired, Capabilities, DynLeaseStore, KeyPrefix, LeaseKey, LeaseRecord, LeaseStore, Version,
+    Versioned, WatchEvent, WatchStream,
 };
 
 pub mod elector;

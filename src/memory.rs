@@ -21,8 +21,8 @@ use tokio::sync::mpsc;
 
 use crate::error::{Error, Result};
 use crate::store::{
-    Capabilities, KeyPrefix, LeaseKey, LeaseRecord, LeaseStore, Version, Versioned, WatchEvent,
-    WatchStream,
+    Acquired, Capabilities, KeyPrefix, LeaseKey, LeaseRecord, LeaseStore, Version, Versioned,
+    WatchEvent, WatchStream,
 };
 
 #[derive(Clone, Debug)]
@@ -41,6 +41,9 @@ struct Entry {
 #[derive(Default, Debug)]
 struct State {
     revision: u64,
+    /// The highest fencing token assigned at commit or written into any record (store-wide, so
+    /// it survives deletes).
+    last_token: u64,
     entries: BTreeMap<LeaseKey, Entry>,
     // Events are boxed so that an idle watcher's channel block stays small.
     watchers: HashMap<LeaseKey, Vec<Watcher>>,
@@ -176,7 +179,7 @@ impl LeaseStore for MemoryStore {
     }
 
     fn capabilities(&self) -> Capabilities {
-        Capabilities::WATCH
+        Capabilities::WATCH.with_commit_tokens()
     }
 
     async fn get(&self, key: &LeaseKey) -> Result<Option<Versioned>> {
@@ -209,6 +212,7 @@ impl LeaseStore for MemoryStore {
             });
         }
         st.revision += 1;
+        st.last_token = st.last_token.max(record.transitions);
         let revision = st.revision;
         let entry = Entry {
             value: Value::Record(record.clone()),
@@ -239,6 +243,7 @@ impl LeaseStore for MemoryStore {
             });
         }
         st.revision += 1;
+        st.last_token = st.last_token.max(record.transitions);
         let revision = st.revision;
         let entry = Entry {
             value: Value::Record(record.clone()),
@@ -317,11 +322,78 @@ impl LeaseStore for MemoryStore {
         Ok(out)
     }
 
+    /// The token is one above the largest of: the store-wide revision, every token assigned or
+    /// written into a record before (by anyone), and the replaced record's token; and at least
+    /// the record's `transitions` (the caller's floor). Neither source goes back, also when a key is deleted, so
+    /// a token is never assigned twice while the process lives.
+    async fn acquire(
+        &self,
+        key: &LeaseKey,
+        record: &LeaseRecord,
+        expected: Option<&Version>,
+    ) -> Result<Acquired> {
+        let mut st = self.lock();
+        let replaced = match (st.entries.get(key), expected) {
+            (Some(_), None) => {
+                return Err(Error::AlreadyExists {
+                    key: key.to_string(),
+                });
+            }
+            (None, Some(_)) => {
+                return Err(Error::NotFound {
+                    key: key.to_string(),
+                });
+            }
+            (None, None) => 0,
+            (Some(current), Some(expected)) => {
+                if Some(current.revision) != parse_version(expected) {
+                    return Err(Error::Conflict {
+                        key: key.to_string(),
+                        expected: expected.clone(),
+                    });
+                }
+                match &current.value {
+                    Value::Record(r) => r.transitions,
+                    Value::Corrupt(_) => 0,
+                }
+            }
+        };
+        let floor = st.revision.max(st.last_token).max(replaced);
+        let token = floor
+            .checked_add(1)
+            .map(|t| t.max(record.transitions))
+            .ok_or_else(|| Error::TokenExhausted {
+                key: key.to_string(),
+                last: floor,
+            })?;
+        st.last_token = token;
+        st.revision += 1;
+        let revision = st.revision;
+        let entry = Entry {
+            value: Value::Record(LeaseRecord {
+                transitions: token,
+                ..record.clone()
+            }),
+            revision,
+        };
+        let ev = entry_event(key, &entry);
+        st.entries.insert(key.clone(), entry);
+        notify(&mut st, key, ev);
+        Ok(Acquired {
+            version: Version::from(revision),
+            fencing_token: token,
+        })
+    }
+
     /// One above the store-wide revision: every accepted write raises the revision, and deleting
     /// a key does not lower it.
     async fn fencing_seed(&self, key: &LeaseKey) -> Result<u64> {
-        let _ = key;
-        Ok(self.lock().revision.saturating_add(1))
+        let st = self.lock();
+        let last = st.revision.max(st.last_token);
+        last.checked_add(1).ok_or_else(|| Error::TokenExhausted {
+            key: key.to_string(),
+            last,
+        })
     }
 }
 

@@ -286,12 +286,26 @@ pub enum WatchEvent {
 /// The stream returned by [`LeaseStore::watch`].
 pub type WatchStream = BoxStream<'static, Result<WatchEvent>>;
 
+/// The answer to [`LeaseStore::acquire`]: the new version, and the fencing token the store
+/// assigned at commit (the stored record's `transitions`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Acquired {
+    /// The version of the write.
+    pub version: Version,
+    /// The fencing token the store wrote into the record at commit.
+    pub fencing_token: u64,
+}
+
 /// What a store can do beyond the required operations.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct Capabilities {
     /// [`LeaseStore::watch`] is supported. Without it the elector polls every retry period.
     pub watch: bool,
+    /// [`LeaseStore::acquire`] is supported: the store assigns fencing tokens at commit. Without
+    /// it the elector computes a token from [`LeaseStore::fencing_seed`] before the write (see
+    /// there for what that cannot cover).
+    pub commit_tokens: bool,
     /// The longest one operation of this store may take before it fails with
     /// [`Error::Timeout`], when the store bounds its operations. [`Elector::spawn`] rejects a
     /// configuration whose `renew_deadline` is not longer than this: a leader could then never
@@ -307,13 +321,21 @@ impl Capabilities {
     /// A store that can watch.
     pub const WATCH: Capabilities = Capabilities {
         watch: true,
+        commit_tokens: false,
         operation_timeout: None,
     };
     /// A store that cannot watch (the elector polls).
     pub const POLL: Capabilities = Capabilities {
         watch: false,
+        commit_tokens: false,
         operation_timeout: None,
     };
+
+    /// These capabilities with [`LeaseStore::acquire`] (fencing tokens assigned at commit).
+    pub const fn with_commit_tokens(mut self) -> Self {
+        self.commit_tokens = true;
+        self
+    }
 
     /// These capabilities with operations bounded by `timeout`.
     pub const fn with_operation_timeout(mut self, timeout: Duration) -> Self {
@@ -351,6 +373,17 @@ impl Capabilities {
 ///   after it, and the caller then re-reads and watches again. Stores that cannot watch declare
 ///   `watch: false` in [`capabilities`](LeaseStore::capabilities) and return
 ///   [`Error::Unsupported`].
+/// - **`acquire`** (optional, [`Capabilities::commit_tokens`]) writes an acquisition: like
+///   `create` when `expected` is `None` and like `update` otherwise (same errors), except that
+///   the store replaces the record's `transitions` **at commit** by a fencing token from its own
+///   source that only grows: strictly greater than every token it assigned for the key before,
+///   also across deletion or loss of the record as far as the source survives (see the README's
+///   store table), and at least the record's `transitions` (the caller's floor: the elector
+///   passes one above the token of the record it replaces, which the compare-and-swap pins).
+///   Readers see the assigned token as the record's `transitions`.
+///   A write that commits late therefore still commits with a token above every token committed
+///   before it. When no higher token can be represented it fails with
+///   [`Error::TokenExhausted`] and writes nothing.
 /// - **`list`** returns every key under a prefix with its record and version, sorted by key.
 ///   Keys holding corrupt data are left out (and logged).
 /// - Every operation is bounded in time: a store must return [`Error::Timeout`] or
@@ -394,6 +427,28 @@ pub trait LeaseStore: fmt::Debug + Send + Sync + 'static {
 
     /// Lists every key under `prefix` with its record and version, sorted by key.
     async fn list(&self, prefix: &KeyPrefix) -> Result<Vec<(LeaseKey, Versioned)>>;
+
+    /// Writes an acquisition with a fencing token assigned at commit (see the contract above):
+    /// a create when `expected` is `None`, a compare-and-swap on `expected` otherwise. The
+    /// record's `transitions` is the lowest token acceptable; the stored record carries the
+    /// assigned token. Stores that keep opaque values can use
+    /// [`codec::encode_acquisition`](crate::codec::encode_acquisition), which takes the token
+    /// from the write's version.
+    ///
+    /// The default returns [`Error::Unsupported`]; a store that implements it declares
+    /// [`Capabilities::commit_tokens`].
+    async fn acquire(
+        &self,
+        key: &LeaseKey,
+        record: &LeaseRecord,
+        expected: Option<&Version>,
+    ) -> Result<Acquired> {
+        let _ = (key, record, expected);
+        Err(Error::Unsupported {
+            store: self.name(),
+            operation: "acquire",
+        })
+    }
 
     /// A fencing-token seed for a record about to be **created** under `key` (a fresh key, or
     /// corrupt data about to be replaced): a value from a store-side source that never goes
@@ -453,6 +508,14 @@ macro_rules! forward_store {
             }
             async fn list(&self, prefix: &KeyPrefix) -> Result<Vec<(LeaseKey, Versioned)>> {
                 (**self).list(prefix).await
+            }
+            async fn acquire(
+                &self,
+                key: &LeaseKey,
+                record: &LeaseRecord,
+                expected: Option<&Version>,
+            ) -> Result<Acquired> {
+                (**self).acquire(key, record, expected).await
             }
             async fn fencing_seed(&self, key: &LeaseKey) -> Result<u64> {
                 (**self).fencing_seed(key).await

@@ -36,7 +36,7 @@ use tracing::{debug, info, warn};
 use crate::elector::ElectorConfig;
 use crate::error::Error;
 use crate::status::StopCause;
-use crate::store::{LeaseRecord, Version, Versioned, WatchEvent};
+use crate::store::{Acquired, Capabilities, LeaseRecord, Version, Versioned, WatchEvent};
 
 /// The lease duration written on release (client-go writes 1 s).
 pub const RELEASE_LEASE_DURATION: Duration = Duration::from_secs(1);
@@ -81,6 +81,15 @@ pub enum Op {
     /// [`LeaseStore::fencing_seed`](crate::LeaseStore::fencing_seed); answer with
     /// [`Reply::Seed`].
     FencingSeed,
+    /// [`LeaseStore::acquire`](crate::LeaseStore::acquire) (the store assigns the fencing token
+    /// at commit); answer with [`Reply::Acquired`]. Only sent to a store that declares
+    /// [`Capabilities::commit_tokens`].
+    Acquire {
+        /// The record to write (its `transitions` is replaced by the store).
+        record: LeaseRecord,
+        /// The version to compare against; `None` to create.
+        expected: Option<Version>,
+    },
 }
 
 /// A store request to send.
@@ -104,6 +113,8 @@ pub enum Reply {
     Written(Version),
     /// The answer to [`Op::FencingSeed`].
     Seed(u64),
+    /// The answer to [`Op::Acquire`].
+    Acquired(Acquired),
 }
 
 /// A request from the elector's owner.
@@ -152,6 +163,19 @@ pub enum Output {
     Renewed {
         /// The new end of validity.
         valid_until: Instant,
+    },
+    /// The current term's validity was cut short: it is valid only until then (earlier than
+    /// announced before). Sent when another writer shortened the lease duration in the record:
+    /// followers that saw that write may take over sooner.
+    Shortened {
+        /// The new, earlier end of validity.
+        valid_until: Instant,
+    },
+    /// No fencing token above `last` can be issued for the key, so this elector cannot start a
+    /// term on it (see [`Error::TokenExhausted`]); it keeps following and tries again later.
+    TokensExhausted {
+        /// The highest token seen.
+        last: u64,
     },
     /// The current term ended for `cause`: cancel its tasks. While the tasks drain after a
     /// graceful step-down the lease is still renewed, and the term stays valid until
@@ -235,6 +259,39 @@ struct Term {
     attempts: Vec<Attempt>,
     next_renew: Instant,
     failures: u32,
+    /// A bound on validity from a foreign write that shortened the record's lease duration:
+    /// `(when it was observed, valid at most until)`. A renewal sent after the observation
+    /// writes this elector's own duration again and lifts it.
+    cut: Option<(Instant, Instant)>,
+    /// Versions of this term's record that later ones replaced: a watch that delivers one of them
+    /// late is stale.
+    past: VecDeque<Version>,
+}
+
+/// How many replaced versions of a term's record are remembered.
+const PAST_VERSIONS: usize = 16;
+
+/// Where an observation came from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Source {
+    /// A direct read: the current state.
+    Read,
+    /// A watch item: may lag behind what this elector already knows from its own writes.
+    Watch,
+}
+
+/// An acquire whose outcome is unknown (it failed or timed out): recognised if a read shows it
+/// (holder and acquire time; and the fencing token when the elector chose it).
+#[derive(Debug)]
+struct PendingAcquire {
+    record: LeaseRecord,
+    sent: Instant,
+    /// The token came from a fencing seed: checked against a second seed before leading.
+    fresh: bool,
+    /// The store assigns the token at commit: the record's token is not known in advance.
+    commit: bool,
+    /// The token of the record the acquire replaces (`None`: it creates).
+    replaced_token: Option<u64>,
 }
 
 #[derive(Debug)]
@@ -293,6 +350,10 @@ enum Purpose {
         expected: Option<Version>,
         /// Its token came from a fencing seed: verified against a second seed before leading.
         fresh: bool,
+        /// Sent as [`Op::Acquire`]: the store assigns the token at commit.
+        commit: bool,
+        /// The token of the record it replaces (`None`: it creates).
+        replaced_token: Option<u64>,
     },
     /// A second seed after a fresh record landed at `version`.
     Verify {
@@ -332,13 +393,15 @@ enum YieldUntil {
 pub struct Machine {
     cfg: std::sync::Arc<ElectorConfig>,
     can_watch: bool,
+    /// The store assigns fencing tokens at commit ([`Capabilities::commit_tokens`]).
+    commit_tokens: bool,
     rng: u64,
     mode: Mode,
     observed: Option<Observed>,
     known_max: Option<u64>,
     mine: Option<Mine>,
     /// An acquire whose outcome is unknown (it failed or timed out): recognised if a read shows it.
-    pending_acquire: Option<Box<(LeaseRecord, Instant, bool)>>,
+    pending_acquire: Option<Box<PendingAcquire>>,
     /// States (versions; `None` for absent) first observed while an acquire was in flight.
     seen_during_acquire: Vec<Option<Version>>,
     inflight: Option<InFlight>,
@@ -392,17 +455,24 @@ fn later(t: Instant, d: Duration) -> Option<Instant> {
 // === impl Machine ===
 
 impl Machine {
-    /// A machine for `config` (validated), campaigning from `now`. `can_watch` is the store's
-    /// [`Capabilities::watch`](crate::Capabilities); `seed` seeds the jitter (use a random one;
-    /// a simulator passes its own to replay a schedule exactly).
+    /// A machine for `config` (validated), campaigning from `now`. `caps` are the store's
+    /// [`Capabilities`] (whether it can watch, whether it assigns fencing tokens at commit);
+    /// `seed` seeds the jitter (use a random one; a simulator passes its own to replay a
+    /// schedule exactly).
     ///
     /// # Errors
     /// [`Error::InvalidConfig`] when the configuration is invalid.
-    pub fn new(config: ElectorConfig, can_watch: bool, seed: u64, now: Now) -> Result<Self, Error> {
+    pub fn new(
+        config: ElectorConfig,
+        caps: Capabilities,
+        seed: u64,
+        now: Now,
+    ) -> Result<Self, Error> {
         config.validate()?;
         let mut m = Machine {
             cfg: std::sync::Arc::new(config),
-            can_watch,
+            can_watch: caps.watch,
+            commit_tokens: caps.commit_tokens,
             rng: seed ^ 0x9E37_79B9_7F4A_7C15,
             mode: Mode::Following,
             observed: None,
@@ -574,7 +644,18 @@ impl Machine {
                 record,
                 expected,
                 fresh,
-            } => self.on_acquire(now, sent, record, expected, fresh, result),
+                commit,
+                replaced_token,
+            } => {
+                let pending = PendingAcquire {
+                    record,
+                    sent,
+                    fresh,
+                    commit,
+                    replaced_token,
+                };
+                self.on_acquire(now, expected, pending, result)
+            }
             Purpose::Verify {
                 record,
                 version,
@@ -632,7 +713,7 @@ impl Machine {
                         Seen::Corrupt(version)
                     }
                 };
-                self.on_seen(now, seen);
+                self.on_seen(now, seen, Source::Watch);
             }
             Some(Err(e)) => {
                 warn!(error = %e, "lease watch failed; watching again after a backoff");
@@ -701,7 +782,11 @@ impl Machine {
     }
 
     fn valid_until(&self, term: &Term) -> Option<Instant> {
-        later(term.sent, self.cfg.renew_deadline)
+        let v = later(term.sent, self.cfg.renew_deadline);
+        match term.cut {
+            Some((_, cut)) => v.map(|v| v.min(cut)),
+            None => v,
+        }
     }
 
     /// A wall time for a record: microsecond precision (what every store keeps), strictly after
@@ -717,16 +802,24 @@ impl Machine {
         t
     }
 
-    fn next_token(&self, from: Option<u64>) -> u64 {
+    /// The next fencing token above `from` and every token seen; `Err(last)` when none can be
+    /// represented (a term must never start with a token that is not above the last one).
+    fn next_token(&self, from: Option<u64>) -> Result<u64, u64> {
         match from.max(self.known_max) {
-            Some(t) => {
-                if t == u64::MAX {
-                    warn!("the fencing token is at its maximum; it cannot grow any more");
-                }
-                t.saturating_add(1)
-            }
-            None => 0,
+            Some(t) => t.checked_add(1).ok_or(t),
+            None => Ok(0),
         }
+    }
+
+    /// No token above `last` can be issued: report it and try again after a retry period (an
+    /// operator may delete the key).
+    fn tokens_exhausted(&mut self, now: Now, last: u64) {
+        tracing::error!(
+            last,
+            "no fencing token above {last} can be issued for this lease (another writer probably set it); not leading; delete the key to start over"
+        );
+        self.out.push_back(Output::TokensExhausted { last });
+        self.acquire_failed(now);
     }
 
     fn record_lease(&self, r: &LeaseRecord) -> Duration {
@@ -923,6 +1016,38 @@ impl Machine {
             return;
         }
         self.acquire_not_before = None;
+        if self.commit_tokens {
+            // The store assigns the token at commit: no seed to read first.
+            let (expected, replaced) = match &obs.seen {
+                Seen::Absent => (None, None),
+                Seen::Corrupt(Some(v)) => {
+                    warn!(
+                        "replacing data that is not a lease record and stayed unchanged for a lease duration"
+                    );
+                    (Some(v.clone()), Some(0))
+                }
+                Seen::Corrupt(None) => {
+                    warn!(
+                        "the lease key holds unreadable data and the store gives no version to replace it by compare-and-swap; delete it by hand"
+                    );
+                    let d = self.jittered(self.cfg.retry_period);
+                    self.acquire_not_before = later(now.instant, d);
+                    return;
+                }
+                Seen::Record(v) => {
+                    if !v.record.is_vacant() {
+                        info!(holder = %v.record.holder_identity, "the lease expired; trying to acquire it");
+                    }
+                    (Some(v.version.clone()), Some(v.record.transitions))
+                }
+            };
+            if let Some(last) = replaced.filter(|t| *t == u64::MAX) {
+                self.tokens_exhausted(now, last);
+                return;
+            }
+            self.acquire_at_commit(now, expected, replaced);
+            return;
+        }
         match obs.seen {
             Seen::Absent => {
                 let deadline = self.request_deadline(now);
@@ -956,21 +1081,53 @@ impl Machine {
                 if !v.record.is_vacant() {
                     info!(holder = %v.record.holder_identity, "the lease expired; trying to acquire it");
                 }
-                let token = self.next_token(Some(v.record.transitions));
-                self.acquire(now, token, Some(v.version), false);
+                match self.next_token(Some(v.record.transitions)) {
+                    Ok(token) => self.acquire(now, token, Some(v.version), false),
+                    Err(last) => self.tokens_exhausted(now, last),
+                }
             }
         }
     }
 
-    fn acquire(&mut self, now: Now, token: u64, expected: Option<Version>, fresh: bool) {
+    /// The record this elector writes to acquire (its token: `token`).
+    fn acquisition_record(&mut self, now: Now, token: u64) -> LeaseRecord {
         let t = self.stamp(now.wall);
-        let record = LeaseRecord {
+        LeaseRecord {
             holder_identity: self.cfg.identity.clone(),
             lease_duration: self.cfg.lease_duration,
             acquire_time: Some(t),
             renew_time: Some(t),
             transitions: token,
-        };
+        }
+    }
+
+    /// Acquires with a token the store assigns at commit, replacing the state at `expected`
+    /// (whose token is `replaced`).
+    fn acquire_at_commit(&mut self, now: Now, expected: Option<Version>, replaced: Option<u64>) {
+        // The token written here is a placeholder: the store replaces it.
+        let proposal = replaced.map_or(0, |t| t.saturating_add(1));
+        let record = self.acquisition_record(now, proposal);
+        let deadline = self.request_deadline(now);
+        self.seen_during_acquire.clear();
+        self.send(
+            now,
+            Op::Acquire {
+                record: record.clone(),
+                expected: expected.clone(),
+            },
+            Purpose::Acquire {
+                record,
+                expected,
+                fresh: false,
+                commit: true,
+                replaced_token: replaced,
+            },
+            deadline,
+        );
+    }
+
+    fn acquire(&mut self, now: Now, token: u64, expected: Option<Version>, fresh: bool) {
+        let record = self.acquisition_record(now, token);
         let op = match expected {
             None => Op::Create(record.clone()),
             Some(expected) => Op::Update {
@@ -992,6 +1149,8 @@ impl Machine {
                 record,
                 expected,
                 fresh,
+                commit: false,
+                replaced_token: None,
             },
             deadline,
         );
@@ -1046,8 +1205,8 @@ impl Machine {
         let retry = self.cfg.retry_period;
         let identity = self.cfg.identity.clone();
         let (valid_until, draining_until) = match &self.mode {
-            Mode::Leading(t) => (later(t.sent, rd), None),
-            Mode::Draining { term, until, .. } => (later(term.sent, rd), Some(*until)),
+            Mode::Leading(t) => (self.valid_until(t), None),
+            Mode::Draining { term, until, .. } => (self.valid_until(term), Some(*until)),
             _ => return,
         };
         if valid_until.is_none_or(|v| now.instant >= v) {
@@ -1078,9 +1237,12 @@ impl Machine {
         let record = term.record.clone();
         let expected = term.version.clone();
         let t = self.stamp(now.wall);
+        // Always this elector's own duration: followers must wait for exactly what the term's
+        // validity assumes, whatever another writer put into the record.
         let record = LeaseRecord {
             renew_time: Some(t),
             holder_identity: identity,
+            lease_duration: self.cfg.lease_duration,
             ..record
         };
         let attempt = Attempt {
@@ -1117,14 +1279,29 @@ impl Machine {
     }
 
     /// A record of the current term at version `v` was seen: adopt the version, and if it is one
-    /// of our renewals, confirm it (validity counts from when that renewal was sent).
-    fn adopt(&mut self, v: Versioned) {
+    /// of our renewals, confirm it (validity counts from when that renewal was sent). A change by
+    /// another writer that keeps the term (a label edit, a restored older copy of the record) is
+    /// adopted too; if it shortened the lease duration, the term's validity is cut to what
+    /// followers who saw that write will wait for.
+    fn adopt(&mut self, now: Now, v: Versioned, source: Source) {
         let rd = self.cfg.renew_deadline;
+        let ld = self.cfg.lease_duration;
         let retry = self.cfg.retry_period;
+        let written = self.record_lease(&v.record);
         let Some(term) = self.term_mut() else { return };
         if v.version == term.version {
             return;
         }
+        if source == Source::Watch && term.past.contains(&v.version) {
+            // An older write of this term delivered late (a lagging watch): stale. A direct read
+            // is the current state and is always adopted (a restored older copy, say).
+            return;
+        }
+        let replaced = std::mem::replace(&mut term.version, v.version.clone());
+        if term.past.len() >= PAST_VERSIONS {
+            term.past.pop_front();
+        }
+        term.past.push_back(replaced);
         let matched = term
             .attempts
             .iter()
@@ -1137,24 +1314,58 @@ impl Machine {
                 term.failures = 0;
                 term.next_renew = later(term.sent, retry).unwrap_or(term.sent);
                 term.record = v.record;
-                term.version = v.version;
-                let valid_until = later(term.sent, rd);
+                // The renewal wrote this elector's own duration: a cut observed before it was
+                // sent no longer binds.
+                if term.cut.is_some_and(|(seen, _)| sent >= seen) {
+                    term.cut = None;
+                }
                 debug!("a renewal was confirmed by reading it back");
+                let valid_until = match self.term_ref() {
+                    Some(t) => self.valid_until(t),
+                    None => None,
+                };
                 if let Some(valid_until) = valid_until {
                     self.out.push_back(Output::Renewed { valid_until });
                 }
             }
             None => {
-                if v.record.renew_time < term.record.renew_time {
-                    // An older write of this term delivered late (a lagging watch): stale.
-                    return;
-                }
-                // A change that is not one of our renewals but keeps our term (a label edit on a
-                // kube Lease bumps the version): adopt the version, validity unchanged.
-                debug!(version = %v.version, "adopting a version-only change of our lease");
+                // A change that is not one of our renewals but keeps our term: adopt the version.
+                debug!(version = %v.version, "adopting a change of our lease by another writer");
                 term.record = v.record;
-                term.version = v.version;
+                if written < ld {
+                    // Followers that saw this write take over `written` after they saw it, and
+                    // it landed after our last confirmed write was sent: bound validity by that,
+                    // scaled by renew_deadline / lease_duration for the clock-rate margin.
+                    let bound = later(
+                        term.sent,
+                        written.mul_f64(rd.as_secs_f64() / ld.as_secs_f64()),
+                    )
+                    .unwrap_or(term.sent);
+                    let bound = term.cut.map_or(bound, |(_, c)| c.min(bound));
+                    term.cut = Some((now.instant, bound));
+                    warn!(
+                        lease_duration = ?written,
+                        own = ?ld,
+                        "another writer shortened the lease duration of our record; the term is valid only as long as followers will wait, and the next renewal writes our own duration again"
+                    );
+                    let valid_until = match self.term_ref() {
+                        Some(t) => self.valid_until(t),
+                        None => None,
+                    };
+                    if let Some(valid_until) = valid_until {
+                        self.out.push_back(Output::Shortened { valid_until });
+                    }
+                }
             }
+        }
+    }
+
+    fn term_ref(&self) -> Option<&Term> {
+        match &self.mode {
+            Mode::Leading(t) | Mode::Draining { term: t, .. } | Mode::Releasing { term: t, .. } => {
+                Some(t)
+            }
+            _ => None,
         }
     }
 
@@ -1275,10 +1486,10 @@ impl Machine {
 
     // --- replies ------------------------------------------------------------------------------
 
-    fn on_seen(&mut self, now: Now, seen: Seen) {
+    fn on_seen(&mut self, now: Now, seen: Seen, source: Source) {
         match &self.mode {
             Mode::Leading(_) | Mode::Draining { .. } => match seen {
-                Seen::Record(v) if self.is_current_term(&v.record) => self.adopt(v),
+                Seen::Record(v) if self.is_current_term(&v.record) => self.adopt(now, v, source),
                 Seen::Record(v) => {
                     warn!(holder = %v.record.holder_identity, "lease lost: the record changed under us");
                     self.lose(now, Some(Seen::Record(v)));
@@ -1306,31 +1517,16 @@ impl Machine {
                 if let (Seen::Record(v), Some(pending), None) =
                     (&seen, &self.pending_acquire, &self.inflight)
                 {
-                    let (rec, sent, fresh) = &**pending;
-                    let mine = Mine {
-                        token: rec.transitions,
-                        acquire_time: rec.acquire_time,
-                    };
-                    if mine.owns(&self.cfg.identity, &v.record) {
-                        let (rec, sent, fresh) = (rec.clone(), *sent, *fresh);
+                    let r = &v.record;
+                    let landed = r.holder_identity == self.cfg.identity
+                        && r.acquire_time == pending.record.acquire_time
+                        && (pending.commit || r.transitions == pending.record.transitions);
+                    if landed {
                         info!("an acquire that reported an error did land");
-                        self.pending_acquire = None;
-                        if fresh {
-                            // A fresh record's token is checked against a second seed first.
-                            let deadline =
-                                later(sent, self.cfg.renew_deadline).unwrap_or(now.instant);
-                            self.send(
-                                now,
-                                Op::FencingSeed,
-                                Purpose::Verify {
-                                    record: rec,
-                                    version: v.version.clone(),
-                                    sent,
-                                },
-                                deadline,
-                            );
-                        } else {
-                            self.begin_term(now, sent, rec, v.version.clone());
+                        let token = pending.commit.then_some(r.transitions);
+                        let version = v.version.clone();
+                        if let Some(pending) = self.pending_acquire.take() {
+                            self.acquired(now, *pending, version, token);
                         }
                         return;
                     }
@@ -1392,7 +1588,7 @@ impl Machine {
             self.finish(now, then);
             return;
         }
-        self.on_seen(now, seen);
+        self.on_seen(now, seen, Source::Read);
         self.pending_acquire = None;
     }
 
@@ -1412,7 +1608,13 @@ impl Machine {
         if self.stop_requested || !self.deferred_yields.is_empty() {
             return;
         }
-        let fallback = self.next_token(None);
+        let fallback = match self.next_token(None) {
+            Ok(t) => t,
+            Err(last) => {
+                self.tokens_exhausted(now, last);
+                return;
+            }
+        };
         let token = match result {
             Ok(Reply::Seed(s)) => s.max(fallback),
             Err(Error::Unsupported { store, .. }) => {
@@ -1433,6 +1635,10 @@ impl Machine {
                 self.acquire_failed(now);
                 return;
             }
+            Err(Error::TokenExhausted { last, .. }) => {
+                self.tokens_exhausted(now, last);
+                return;
+            }
             Err(e) => {
                 warn!(error = %e, "cannot get a fencing seed; retrying");
                 self.acquire_failed(now);
@@ -1451,14 +1657,22 @@ impl Machine {
     fn on_acquire(
         &mut self,
         now: Now,
-        sent: Instant,
-        record: LeaseRecord,
         expected: Option<Version>,
-        fresh: bool,
+        pending: PendingAcquire,
         result: Result<Reply, Error>,
     ) {
-        match result {
-            Ok(Reply::Written(version)) if self.superseded(&expected, &version) => {
+        let written = match result {
+            Ok(Reply::Written(version)) if !pending.commit => Ok((version, None)),
+            Ok(Reply::Acquired(a)) if pending.commit => Ok((a.version, Some(a.fencing_token))),
+            Ok(other) => {
+                warn!(?other, "the store answered a write with something else");
+                self.acquire_failed(now);
+                return;
+            }
+            Err(e) => Err(e),
+        };
+        match written {
+            Ok((version, _)) if self.superseded(&expected, &version) => {
                 // The acknowledgement came after a later state of the key was seen: the write
                 // landed, but something replaced it since. Never lead on it.
                 warn!(
@@ -1466,25 +1680,22 @@ impl Machine {
                 );
                 self.acquire_failed(now);
             }
-            Ok(Reply::Written(version)) if fresh && !self.stop_requested => {
-                // Writes may have landed between the seed and this create (a record created and
-                // lost meanwhile): check the seed again before leading on the token.
-                let deadline = later(sent, self.cfg.renew_deadline).unwrap_or(now.instant);
-                self.send(
-                    now,
-                    Op::FencingSeed,
-                    Purpose::Verify {
-                        record,
-                        version,
-                        sent,
-                    },
-                    deadline,
+            Ok((version, token)) => self.acquired(now, pending, version, token),
+            Err(Error::Unsupported { .. }) if pending.commit => {
+                // A store (or a wrapper around one) that declares commit tokens but does not
+                // implement them: fall back to fencing seeds.
+                warn!(
+                    "the store declares fencing tokens assigned at commit but does not support acquire; using fencing seeds instead"
                 );
-            }
-            Ok(Reply::Written(version)) => self.begin_term(now, sent, record, version),
-            Ok(other) => {
-                warn!(?other, "the store answered a write with something else");
+                self.commit_tokens = false;
                 self.acquire_failed(now);
+            }
+            Err(e @ Error::TokenExhausted { .. }) => {
+                let last = match &e {
+                    Error::TokenExhausted { last, .. } => *last,
+                    _ => u64::MAX,
+                };
+                self.tokens_exhausted(now, last);
             }
             Err(e) => {
                 match &e {
@@ -1496,8 +1707,8 @@ impl Machine {
                     e => warn!(error = %e, "acquire failed; reading back to see whether it landed"),
                 }
                 // The write may have landed (a timeout, or a client retry that found our own
-                // write): a read tells, by holder, fencing token and acquire time.
-                self.pending_acquire = Some(Box::new((record, sent, fresh)));
+                // write): a read tells, by holder, acquire time (and token, when we chose it).
+                self.pending_acquire = Some(Box::new(pending));
                 self.need_read = true;
                 if !matches!(
                     e,
@@ -1507,6 +1718,51 @@ impl Machine {
                     self.acquire_not_before = later(now.instant, d);
                 }
             }
+        }
+    }
+
+    /// An acquire landed at `version` (with `token` when the store assigned it at commit): lead
+    /// on it, after the checks its token needs.
+    fn acquired(
+        &mut self,
+        now: Now,
+        pending: PendingAcquire,
+        version: Version,
+        token: Option<u64>,
+    ) {
+        let PendingAcquire {
+            mut record,
+            sent,
+            fresh,
+            replaced_token,
+            ..
+        } = pending;
+        if let Some(token) = token {
+            record.transitions = token;
+            // A store that cannot compare at commit (etcd's revision) may assign a token below a
+            // record's that another writer set: never start a term on a token that is not above
+            // the one it replaces.
+            if let Some(last) = replaced_token.filter(|last| token <= *last) {
+                self.tokens_exhausted(now, last);
+                return;
+            }
+        }
+        if fresh && !self.stop_requested {
+            // Writes may have landed between the seed and this create (a record created and
+            // lost meanwhile): check the seed again before leading on the token.
+            let deadline = later(sent, self.cfg.renew_deadline).unwrap_or(now.instant);
+            self.send(
+                now,
+                Op::FencingSeed,
+                Purpose::Verify {
+                    record,
+                    version,
+                    sent,
+                },
+                deadline,
+            );
+        } else {
+            self.begin_term(now, sent, record, version);
         }
     }
 
@@ -1531,8 +1787,10 @@ impl Machine {
                     "other writes landed since the fencing seed; raising the token before leading"
                 );
                 self.known_max = self.known_max.max(Some(after.saturating_sub(1)));
-                let token = self.next_token(Some(record.transitions));
-                self.acquire(now, token, Some(version), false);
+                match self.next_token(Some(record.transitions)) {
+                    Ok(token) => self.acquire(now, token, Some(version), false),
+                    Err(last) => self.tokens_exhausted(now, last),
+                }
             }
             Err(Error::Unsupported { .. }) => self.begin_term(now, sent, record, version),
             Ok(other) => {
@@ -1583,6 +1841,8 @@ impl Machine {
             attempts: Vec::new(),
             next_renew: later(sent, retry).unwrap_or(sent),
             failures: 0,
+            cut: None,
+            past: VecDeque::new(),
         });
         let valid_until = later(sent, self.cfg.renew_deadline);
         let still_valid = valid_until.is_some_and(|v| now.instant < v);
@@ -1639,7 +1899,7 @@ impl Machine {
         );
         match result {
             Ok(Reply::Written(version)) if holding => {
-                self.adopt(Versioned { record, version });
+                self.adopt(now, Versioned { record, version }, Source::Read);
                 if let Some(t) = self.term_mut() {
                     t.failures = 0;
                 }

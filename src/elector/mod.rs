@@ -458,7 +458,7 @@ impl Elector {
             )));
         }
         let metrics = crate::metrics::Metrics::new(config.key.as_str());
-        let machine = Machine::new(config, caps.watch, rand::random(), now())?;
+        let machine = Machine::new(config, caps, rand::random(), now())?;
         let shared = Arc::new(Shared {
             config: machine.shared_config(),
             status: StatusCell::default(),
@@ -720,6 +720,10 @@ async fn call(store: DynLeaseStore, key: LeaseKey, op: Op) -> Result<Reply> {
             .await
             .map(Reply::Written),
         Op::FencingSeed => store.fencing_seed(&key).await.map(Reply::Seed),
+        Op::Acquire { record, expected } => store
+            .acquire(&key, &record, expected.as_ref())
+            .await
+            .map(Reply::Acquired),
     }
 }
 
@@ -729,6 +733,7 @@ fn op_name(op: &Op) -> &'static str {
         Op::Create(_) => "create",
         Op::Update { .. } => "update",
         Op::FencingSeed => "fencing_seed",
+        Op::Acquire { .. } => "acquire",
     }
 }
 
@@ -851,6 +856,22 @@ impl Driver {
                     {
                         set_validity(v, Validity::Until(Instant::from_std(valid_until)));
                     }
+                }
+                Output::Shortened { valid_until } => {
+                    if let Some(v) = &*self
+                        .shared
+                        .validity
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                    {
+                        set_validity(v, Validity::Until(Instant::from_std(valid_until)));
+                    }
+                }
+                Output::TokensExhausted { last } => {
+                    self.shared.store_outcome(Some(&Error::TokenExhausted {
+                        key: self.shared.config.key.to_string(),
+                        last,
+                    }));
                 }
                 Output::TermEnded { cause } => {
                     self.shared.metrics.leading(false);

@@ -32,7 +32,10 @@ use std::fmt::Write as _;
 use std::time::{Duration, Instant, UNIX_EPOCH};
 
 use leasehold::elector::machine::{Command, Machine, Now, Op, Output, Reply, RequestId, WatchId};
-use leasehold::{ElectorConfig, Error, LeaseKey, LeaseRecord, Version, Versioned, WatchEvent};
+use leasehold::{
+    Acquired, Capabilities, ElectorConfig, Error, LeaseKey, LeaseRecord, Version, Versioned,
+    WatchEvent,
+};
 
 pub const LEASE: Duration = Duration::from_secs(6);
 pub const RENEW: Duration = Duration::from_secs(4);
@@ -85,8 +88,22 @@ enum Stored {
 #[derive(Default, Debug)]
 struct Store {
     rev: u64,
+    /// The last fencing token assigned at commit (never below `rev`'s tokens).
+    token: u64,
+    /// The highest token ever written into a record (by anyone): the fencing seed's source
+    /// knows it, an ideal seed. (Kubernetes' clock-based seed does not; its README says what
+    /// that costs.)
+    high_water: u64,
     cur: Option<(Stored, u64)>,
+    /// Records written before the current one (newest last), for restores of older copies.
+    history: VecDeque<LeaseRecord>,
+    /// The term (identity, token) whose elector last wrote the stored record: foreign edits of
+    /// fields keep it, so losing the edited record still loses that term's record.
+    owner: Option<(String, u64)>,
 }
+
+/// How many older records the store remembers for restores.
+const HISTORY: usize = 16;
 
 fn key() -> LeaseKey {
     LeaseKey::new("sim").expect("valid key")
@@ -124,13 +141,73 @@ impl Store {
     fn apply(&mut self, op: &Op) -> (Result<Reply, Error>, bool) {
         match op {
             Op::Get => (self.read(), false),
-            Op::FencingSeed => (Ok(Reply::Seed(self.rev + 1)), false),
+            Op::FencingSeed => {
+                let last = self.rev.max(self.high_water);
+                let seed = last
+                    .checked_add(1)
+                    .map(Reply::Seed)
+                    .ok_or(Error::TokenExhausted {
+                        key: "sim".into(),
+                        last,
+                    });
+                (seed, false)
+            }
             Op::Create(r) => {
                 if self.cur.is_some() {
                     return (Err(Error::AlreadyExists { key: "sim".into() }), false);
                 }
                 let v = self.write(Some(Stored::Record(r.clone())));
                 (Ok(Reply::Written(Version::from(v))), true)
+            }
+            Op::Acquire { record, expected } => {
+                // Like the memory and Redis stores: the token is assigned at commit, above the
+                // revision and above the replaced record's token.
+                let replaced = match (&self.cur, expected) {
+                    (Some(_), None) => {
+                        return (Err(Error::AlreadyExists { key: "sim".into() }), false);
+                    }
+                    (None, Some(_)) => return (Err(Error::NotFound { key: "sim".into() }), false),
+                    (None, None) => 0,
+                    (Some((cur, v)), Some(expected)) => {
+                        if Version::from(*v) != *expected {
+                            return (
+                                Err(Error::Conflict {
+                                    key: "sim".into(),
+                                    expected: expected.clone(),
+                                }),
+                                false,
+                            );
+                        }
+                        match cur {
+                            Stored::Record(r) => r.transitions,
+                            Stored::Corrupt => 0,
+                        }
+                    }
+                };
+                // Above every token ever written into a record, as the memory and Redis
+                // stores do (a foreign writer may have raised one).
+                let floor = self.rev.max(self.token).max(replaced).max(self.high_water);
+                let Some(token) = floor.checked_add(1) else {
+                    return (
+                        Err(Error::TokenExhausted {
+                            key: "sim".into(),
+                            last: floor,
+                        }),
+                        false,
+                    );
+                };
+                self.token = token;
+                let v = self.write(Some(Stored::Record(LeaseRecord {
+                    transitions: token,
+                    ..record.clone()
+                })));
+                (
+                    Ok(Reply::Acquired(Acquired {
+                        version: Version::from(v),
+                        fencing_token: token,
+                    })),
+                    true,
+                )
             }
             Op::Update { record, expected } => {
                 let Some(cur) = self.version() else {
@@ -153,6 +230,15 @@ impl Store {
     }
 
     fn write(&mut self, v: Option<Stored>) -> u64 {
+        if let Some(Stored::Record(r)) = &v {
+            self.high_water = self.high_water.max(r.transitions);
+        }
+        if let Some((Stored::Record(r), _)) = &self.cur {
+            if self.history.len() >= HISTORY {
+                self.history.pop_front();
+            }
+            self.history.push_back(r.clone());
+        }
         self.rev += 1;
         self.cur = v.map(|s| (s, self.rev));
         self.rev
@@ -226,6 +312,44 @@ enum Ev {
     VersionOnly,
     Delete,
     Corrupt,
+    /// A foreign client edits a field of the stored record (or restores an older copy).
+    Foreign(Edit),
+    /// The node's leader task acts if `ensure_leading` passes (term `term` of the node).
+    Act {
+        term: u64,
+    },
+    /// The node's leader task panics or calls `yield_for` from inside: the term steps down.
+    TaskYields {
+        term: u64,
+        dur: Duration,
+    },
+    /// A coalescing watch buffer: the state at delivery time, not at the write.
+    WatchLatest {
+        id: WatchId,
+    },
+}
+
+/// What a foreign writer changes in the stored record.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Edit {
+    /// The holder is cleared (as a release would): followers take over at once.
+    Vacate,
+    /// The holder is set to another identity.
+    Holder,
+    /// The lease duration is made shorter than the electors' own.
+    Shorter,
+    /// The lease duration is made longer.
+    Longer,
+    /// The acquire time is changed.
+    AcquireTime,
+    /// The renew time is moved (earlier or later).
+    RenewTime,
+    /// The token (`transitions`) is changed to another small value.
+    Transitions,
+    /// The token is set near `u64::MAX`.
+    TransitionsNearMax,
+    /// An older copy of a record is written back (a snapshot restore, a stale re-apply).
+    Restore,
 }
 
 struct Queued {
@@ -280,6 +404,9 @@ struct Node {
     waiting: Option<RequestId>,
     /// Opens fail until then (a watch that errors on every open).
     watch_broken_until: T,
+    /// The driver's view of the current term's validity (local clock): what
+    /// `Leadership::ensure_leading` checks. `None`: no term, or revoked.
+    validity: Option<Instant>,
 }
 
 /// One term's validity interval on the true clock.
@@ -292,15 +419,66 @@ pub struct Interval {
     pub start: T,
     pub valid_until: T,
     pub end: Option<T>,
-    /// Its record was deleted or overwritten by a foreign writer while it was valid: data loss,
-    /// outside the guarantee of mutual exclusion (token order still holds).
+    /// Its record was lost (deleted, corrupted, replaced by a foreign writer with a vacant or
+    /// an older term's record): data loss, outside the guarantee of mutual exclusion and token
+    /// order (its token is still never repeated on a store that assigns tokens at commit).
     pub voided: bool,
+    /// Windows in which overlap with this term is not a violation: from a foreign write that
+    /// shortened the lease duration until this term's elector observed it (followers may take
+    /// over sooner than the elector could know). `None` end: not observed yet.
+    pub exempt: Vec<(T, Option<T>)>,
+    /// The store version of that foreign write.
+    pub exempt_version: Option<u64>,
 }
 
 impl Interval {
     fn effective_end(&self, run_end: T) -> T {
         self.end.unwrap_or(run_end).min(self.valid_until)
     }
+
+    /// The instants this term counts as valid for the overlap check: its validity minus the
+    /// exempt windows.
+    fn segments(&self, run_end: T) -> Vec<(T, T)> {
+        let end = self.effective_end(run_end);
+        let mut out = vec![(self.start, end)];
+        for (from, to) in &self.exempt {
+            let to = to.unwrap_or(end);
+            out = out
+                .into_iter()
+                .flat_map(|(a, b)| {
+                    let mut parts = Vec::new();
+                    if a < (*from).min(b) {
+                        parts.push((a, (*from).min(b)));
+                    }
+                    if to.max(a) < b {
+                        parts.push((to.max(a), b));
+                    }
+                    parts
+                })
+                .collect();
+        }
+        out
+    }
+
+    /// Whether `t` lies in an exempt window (its end included: an act at the instant of the
+    /// observation came before it).
+    fn exempt_at(&self, t: T) -> bool {
+        self.exempt
+            .iter()
+            .any(|(from, to)| *from <= t && to.is_none_or(|to| t <= to))
+    }
+}
+
+fn overlap(a: &[(T, T)], b: &[(T, T)]) -> Option<(T, T)> {
+    for (a0, a1) in a {
+        for (b0, b1) in b {
+            let (lo, hi) = ((*a0).max(*b0), (*a1).min(*b1));
+            if lo < hi {
+                return Some((lo, hi));
+            }
+        }
+    }
+    None
 }
 
 /// Per-run fault settings.
@@ -316,6 +494,19 @@ pub struct Profile {
     pub p_watch_fail: f64,
     pub slow: f64,
     pub chaos_events: u64,
+    /// The store assigns fencing tokens at commit (memory, Redis, etcd); otherwise the electors
+    /// use fencing seeds (Kubernetes).
+    pub commit_tokens: bool,
+    /// Every elector trusts a missing record ([`ElectorConfig::trust_absence`]).
+    pub trust_absence: bool,
+    /// A watch delivers an event twice.
+    pub p_watch_dup: f64,
+    /// A watch delivers an older state after a newer one (breaks the store contract).
+    pub p_watch_stale: f64,
+    /// A watch coalesces an event into the state at delivery time.
+    pub p_watch_coalesce: f64,
+    /// A started node takes the identity of another running node (two processes, one identity).
+    pub p_same_identity: f64,
 }
 
 impl Profile {
@@ -339,6 +530,12 @@ impl Profile {
             p_watch_fail: p(rng, 0.5),
             slow: p(rng, if heavy { 0.3 } else { 0.1 }),
             chaos_events: rng.below(if heavy { 25 } else { 10 }),
+            commit_tokens: rng.chance(0.6),
+            trust_absence: rng.chance(0.15),
+            p_watch_dup: p(rng, 0.2),
+            p_watch_stale: p(rng, 0.1),
+            p_watch_coalesce: p(rng, 0.2),
+            p_same_identity: p(rng, 0.3),
         }
     }
 }
@@ -369,8 +566,13 @@ pub struct Sim {
     violation: Option<String>,
     events: u64,
     healthy: bool,
-    /// (node, incarnation, token) of terms whose record was lost to data loss.
-    lost: Vec<(usize, u64, u64)>,
+    /// (identity, token) of terms whose record was lost to data loss (also for terms that start
+    /// later: an acquire acknowledged after its record was lost).
+    lost: Vec<(String, u64)>,
+    /// A foreign writer set a token no higher one can follow: liveness is not expected after it.
+    exhausted: bool,
+    /// Actions of leader tasks: (true time, interval).
+    actions: Vec<(T, usize)>,
 }
 
 const TRACE_LINES: usize = 400;
@@ -398,6 +600,8 @@ impl Sim {
             events: 0,
             healthy: false,
             lost: Vec::new(),
+            exhausted: false,
+            actions: Vec::new(),
         };
         for i in 0..sim.profile.nodes {
             sim.nodes.push(Node {
@@ -416,6 +620,7 @@ impl Sim {
                 term_seq: 0,
                 waiting: None,
                 watch_broken_until: Duration::ZERO,
+                validity: None,
             });
             let at = sim.rng.dur(Duration::ZERO, Duration::from_millis(500));
             sim.push(at, i, Ev::Start);
@@ -426,7 +631,7 @@ impl Sim {
                 .rng
                 .dur(Duration::from_millis(500), sim.profile.faults_for);
             let node = sim.rng.below(sim.profile.nodes as u64) as usize;
-            let ev = match sim.rng.below(10) {
+            let ev = match sim.rng.below(13) {
                 0 | 1 => Ev::Pause {
                     dur: sim.rng.dur(Duration::from_millis(300), LEASE * 2),
                 },
@@ -439,6 +644,25 @@ impl Sim {
                 6 => Ev::VersionOnly,
                 7 => Ev::Delete,
                 8 => Ev::Corrupt,
+                10 | 11 => {
+                    let edits = [
+                        Edit::Vacate,
+                        Edit::Holder,
+                        Edit::Shorter,
+                        Edit::Shorter,
+                        Edit::Longer,
+                        Edit::AcquireTime,
+                        Edit::RenewTime,
+                        Edit::Transitions,
+                        Edit::TransitionsNearMax,
+                        Edit::Restore,
+                        Edit::Restore,
+                    ];
+                    Ev::Foreign(edits[sim.rng.below(edits.len() as u64) as usize])
+                }
+                12 => Ev::Pause {
+                    dur: sim.rng.dur(Duration::from_millis(300), LEASE * 2),
+                },
                 _ => {
                     // A watch that fails on every open for a while.
                     let until = at + sim.rng.dur(Duration::from_secs(1), LEASE * 2);
@@ -634,36 +858,64 @@ impl Sim {
         }
         let all = ivs.clone();
         ivs.retain(|iv| !iv.voided);
-        let mut prev: Option<Interval> = None;
-        for iv in &ivs {
-            if let Some(p) = &prev {
-                let pend = p.effective_end(run_end);
-                if iv.start < pend {
+        // Mutual exclusion: no two non-void terms are valid at one instant (outside the exempt
+        // windows of a foreign write that shortened the lease).
+        for (i, p) in ivs.iter().enumerate() {
+            let ps = p.segments(run_end);
+            for q in &ivs[i + 1..] {
+                if let Some((lo, hi)) = overlap(&ps, &q.segments(run_end)) {
                     self.fail(format!(
-                        "two valid terms overlap: {} (token {}) valid {:?}..{:?} and {} (token {}) from {:?}",
-                        p.identity, p.token, p.start, pend, iv.identity, iv.token, iv.start
-                    ));
-                    return;
-                }
-                if iv.token <= p.token {
-                    self.fail(format!(
-                        "fencing token did not increase: {} had {} from {:?}, then {} got {} at {:?}",
-                        p.identity, p.token, p.start, iv.identity, iv.token, iv.start
+                        "two valid terms overlap during {lo:?}..{hi:?}: {} (token {}) valid {:?}..{:?} and {} (token {}) valid {:?}..{:?}",
+                        p.identity,
+                        p.token,
+                        p.start,
+                        p.effective_end(run_end),
+                        q.identity,
+                        q.token,
+                        q.start,
+                        q.effective_end(run_end)
                     ));
                     return;
                 }
             }
-            if prev
-                .as_ref()
-                .is_none_or(|p| iv.effective_end(run_end) > p.effective_end(run_end))
-            {
-                prev = Some(iv.clone());
+        }
+        // Leader tasks' actions: none of a term after a later term's first action.
+        let original = self.intervals.clone();
+        let actions = self.actions.clone();
+        let first_action = |i: usize| {
+            actions
+                .iter()
+                .filter(|(_, j)| *j == i)
+                .map(|(t, _)| *t)
+                .min()
+        };
+        for (t, i) in &actions {
+            let a = &original[*i];
+            if a.voided || a.exempt_at(*t) {
+                continue;
+            }
+            for (j, b) in original.iter().enumerate() {
+                if j == *i || b.voided || b.start <= a.start {
+                    continue;
+                }
+                if let Some(first) = first_action(j)
+                    && first < *t
+                {
+                    let msg = format!(
+                        "{} acted on token {} at {t:?}, after {} (token {}) had acted at {first:?}",
+                        a.identity, a.token, b.identity, b.token
+                    );
+                    self.fail(msg);
+                    return;
+                }
             }
         }
         let leading = all
             .iter()
             .any(|iv| iv.start <= check_at && check_at < iv.effective_end(run_end));
-        if !leading {
+        // A token set near the maximum by a foreign writer ends the key's life by design: no
+        // term may start with a token that is not above the last one.
+        if !leading && !self.exhausted {
             self.fail(format!(
                 "nobody leads at {check_at:?}, {:?} after the faults stopped at {:?}",
                 self.liveness_bound(),
@@ -678,19 +930,25 @@ impl Sim {
             Ev::VersionOnly => {
                 if let Some((Stored::Record(r), _)) = self.store.cur.clone() {
                     self.log(|| "chaos: a foreign write changes only the version".into());
+                    // Followers wait the record's duration from this change.
+                    self.faults_until = self.faults_until.max(self.now + r.lease_duration);
                     self.store_write(Some(Stored::Record(r)));
                 }
                 return;
             }
+            Ev::Foreign(edit) => {
+                self.foreign_edit(edit);
+                return;
+            }
             Ev::Delete => {
                 self.log(|| "chaos: the record is deleted (data loss)".into());
-                self.void_valid_terms();
+                self.void_current_record();
                 self.store_write(None);
                 return;
             }
             Ev::Corrupt => {
                 self.log(|| "chaos: corrupt data is written".into());
-                self.void_valid_terms();
+                self.void_current_record();
                 self.store_write(Some(Stored::Corrupt));
                 return;
             }
@@ -743,7 +1001,17 @@ impl Sim {
     fn start(&mut self, n: usize) {
         let inc = self.nodes[n].incarnation + 1;
         let reuse = inc > 1 && self.rng.chance(0.3);
-        let identity = if reuse {
+        // Two processes with one identity: a restarted pod whose old process still runs.
+        let running: Vec<String> = self
+            .nodes
+            .iter()
+            .enumerate()
+            .filter(|(i, nd)| *i != n && nd.machine.is_some())
+            .map(|(_, nd)| nd.identity.clone())
+            .collect();
+        let identity = if !running.is_empty() && self.rng.chance(self.profile.p_same_identity) {
+            running[self.rng.below(running.len() as u64) as usize].clone()
+        } else if reuse {
             self.nodes[n].identity.clone()
         } else {
             format!("n{n}-{inc}")
@@ -765,13 +1033,25 @@ impl Sim {
             node.watch = None;
             node.interval = None;
             node.waiting = None;
+            node.validity = None;
         }
         let cfg = ElectorConfig::new(key(), identity.clone())
             .with_timings(LEASE, RENEW, RETRY)
-            .with_drain_timeout(DRAIN);
+            .with_drain_timeout(DRAIN)
+            .with_trust_absence(self.profile.trust_absence);
         let seed = self.rng.next_u64();
         let now = self.now_of(n);
-        let m = Machine::new(cfg, self.profile.can_watch, seed, now).expect("valid config");
+        let caps = if self.profile.can_watch {
+            Capabilities::WATCH
+        } else {
+            Capabilities::POLL
+        };
+        let caps = if self.profile.commit_tokens {
+            caps.with_commit_tokens()
+        } else {
+            caps
+        };
+        let m = Machine::new(cfg, caps, seed, now).expect("valid config");
         self.nodes[n].machine = Some(m);
         self.log(|| format!("{identity} starts (clock rate {rate:.4})"));
         self.after(n);
@@ -793,6 +1073,7 @@ impl Sim {
         }
         self.nodes[n].machine = None;
         self.nodes[n].watch = None;
+        self.nodes[n].validity = None;
         let at = self.now + self.rng.dur(Duration::ZERO, restart_within);
         self.faults_until = self.faults_until.max(at);
         self.push(at, n, Ev::Start);
@@ -816,6 +1097,15 @@ impl Sim {
                 }
                 self.nodes[n].waiting = None;
                 self.log(|| format!("{identity} <- {req:?} {}", short(&result)));
+                match &result {
+                    Ok(Reply::Record(Some(v))) => self.observed_version(n, &v.version),
+                    Ok(Reply::Written(v)) => self.observed_version(n, v),
+                    Ok(Reply::Acquired(a)) => self.observed_version(n, &a.version),
+                    Err(Error::Corrupt {
+                        version: Some(v), ..
+                    }) => self.observed_version(n, v),
+                    _ => {}
+                }
                 self.machine(n).handle_reply(now, req, result);
             }
             Ev::WatchOpen { id, after, ok } => {
@@ -880,7 +1170,64 @@ impl Sim {
                     self.nodes[n].watch = None;
                 }
                 self.log(|| format!("{identity} watch item {}", short_item(&item)));
+                if let Some(Ok(WatchEvent::Put(v))) = &item {
+                    self.observed_version(n, &v.version);
+                }
                 self.machine(n).handle_watch_item(now, id, item);
+            }
+            Ev::WatchLatest { id } => {
+                let current = matches!(&self.nodes[n].watch, Some(w) if w.id == id && w.open);
+                if !current {
+                    return false;
+                }
+                let Some(ev) = self.store.event() else {
+                    return false;
+                };
+                self.log(|| {
+                    format!(
+                        "{identity} watch item (coalesced) {}",
+                        short_item(&Some(Ok(ev.clone())))
+                    )
+                });
+                if let WatchEvent::Put(v) = &ev {
+                    self.observed_version(n, &v.version);
+                }
+                self.machine(n).handle_watch_item(now, id, Some(Ok(ev)));
+            }
+            Ev::Act { term } => {
+                if term != self.nodes[n].term_seq {
+                    return false;
+                }
+                let Some(i) = self.nodes[n].interval else {
+                    return false;
+                };
+                // `ensure_leading`: the term's validity against this node's own clock.
+                let valid = self.nodes[n].validity.is_some_and(|v| now.instant < v);
+                if valid {
+                    let token = self.intervals[i].token;
+                    self.log(|| format!("{identity} acts on token {token}"));
+                    let t = self.now;
+                    self.actions.push((t, i));
+                }
+                let at = self.now
+                    + self
+                        .rng
+                        .dur(Duration::from_millis(20), Duration::from_millis(800));
+                self.push_own(at, n, Ev::Act { term });
+                return false;
+            }
+            Ev::TaskYields { term, dur } => {
+                if term != self.nodes[n].term_seq || self.nodes[n].interval.is_none() {
+                    return false;
+                }
+                self.log(|| format!("{identity}'s leader task yields (or panics) for {dur:?}"));
+                self.machine(n).handle_command(
+                    now,
+                    Command::Yield {
+                        id: 2,
+                        duration: dur,
+                    },
+                );
             }
             Ev::Drained { term } => {
                 if term == self.nodes[n].term_seq {
@@ -1015,17 +1362,23 @@ impl Sim {
                 fencing_token,
                 valid_until,
             } => {
+                self.nodes[n].validity = Some(valid_until);
                 let valid_until = self.true_of(n, valid_until);
                 self.log(|| {
                     format!("{identity} LEADS token {fencing_token} valid until {valid_until:?}")
                 });
                 let inc = self.nodes[n].incarnation;
-                let voided = self.lost.contains(&(n, inc, fencing_token));
+                let voided = self.lost.contains(&(identity.clone(), fencing_token));
                 let now = self.now;
                 let clash = self
                     .intervals
                     .iter()
-                    .find(|iv| !iv.voided && iv.end.is_none_or(|e| e > now) && iv.valid_until > now)
+                    .find(|iv| {
+                        !iv.voided
+                            && iv.end.is_none_or(|e| e > now)
+                            && iv.valid_until > now
+                            && !iv.exempt_at(now)
+                    })
                     .cloned();
                 if let Some(iv) = clash.filter(|_| !voided) {
                     self.fail(format!(
@@ -1048,6 +1401,15 @@ impl Sim {
                         "fencing token did not increase: {identity} starts a term with token {fencing_token}, an earlier term had {max}"
                     ));
                 }
+                // Tokens assigned at commit are never repeated, void terms included.
+                if self.profile.commit_tokens
+                    && let Some(iv) = self.intervals.iter().find(|iv| iv.token == fencing_token)
+                {
+                    let other = iv.identity.clone();
+                    self.fail(format!(
+                        "fencing token repeated: {identity} starts a term with token {fencing_token}, which {other} already had"
+                    ));
+                }
                 self.intervals.push(Interval {
                     node: n,
                     incarnation: inc,
@@ -1057,10 +1419,36 @@ impl Sim {
                     valid_until,
                     end: None,
                     voided,
+                    exempt: Vec::new(),
+                    exempt_version: None,
                 });
                 self.nodes[n].interval = Some(self.intervals.len() - 1);
+                // The term's leader task acts now and then, and may yield (or panic) from inside.
+                let term = self.nodes[n].term_seq;
+                let at = self.now + self.rng.dur(Duration::ZERO, Duration::from_millis(300));
+                self.push_own(at, n, Ev::Act { term });
+                if !self.healthy && self.rng.chance(0.1) {
+                    let at = self.now + self.rng.dur(Duration::ZERO, LEASE);
+                    let dur = self.rng.dur(Duration::ZERO, Duration::from_secs(3));
+                    self.faults_until = self.faults_until.max(at + dur + DRAIN + RENEW);
+                    self.push_own(at, n, Ev::TaskYields { term, dur });
+                }
+            }
+            Output::Shortened { valid_until } => {
+                self.nodes[n].validity = Some(valid_until);
+                let v = self.true_of(n, valid_until);
+                self.log(|| format!("{identity}'s term is cut short: valid until {v:?}"));
+                if let Some(i) = self.nodes[n].interval {
+                    self.intervals[i].valid_until = self.intervals[i].valid_until.min(v);
+                }
+            }
+            Output::TokensExhausted { last } => {
+                self.log(|| format!("{identity}: no token above {last} can be issued"));
             }
             Output::Renewed { valid_until } => {
+                if self.nodes[n].validity.is_some() {
+                    self.nodes[n].validity = Some(valid_until);
+                }
                 let v = self.true_of(n, valid_until);
                 self.log(|| format!("{identity} renewed: valid until {v:?}"));
                 if let Some(i) = self.nodes[n].interval {
@@ -1070,7 +1458,7 @@ impl Sim {
                             self.intervals[i].token, self.now, self.intervals[i].valid_until
                         ));
                     }
-                    self.intervals[i].valid_until = self.intervals[i].valid_until.max(v);
+                    self.intervals[i].valid_until = v;
                 }
             }
             Output::TermEnded { cause } => {
@@ -1086,6 +1474,7 @@ impl Sim {
                 self.push_own(at, n, Ev::Drained { term });
             }
             Output::Revoked => {
+                self.nodes[n].validity = None;
                 self.log(|| format!("{identity} term revoked"));
                 if let Some(i) = self.nodes[n].interval.take() {
                     let now = self.now;
@@ -1108,6 +1497,9 @@ impl Sim {
     fn commit(&mut self, n: usize, inc: u64, req: RequestId, op: Op, fate: Fate) {
         let (result, changed) = self.store.apply(&op);
         if changed {
+            if let Some((Stored::Record(r), _)) = &self.store.cur {
+                self.store.owner = Some((r.holder_identity.clone(), r.transitions));
+            }
             self.notify();
         }
         let identity = self.nodes[n].identity.clone();
@@ -1141,29 +1533,153 @@ impl Sim {
         }
     }
 
-    /// The record is about to be lost: the term written in it (running, or acknowledged later)
-    /// is voided by data loss.
-    fn void_valid_terms(&mut self) {
-        let Some((Stored::Record(r), _)) = &self.store.cur else {
+    /// The stored record is about to be lost (deleted, corrupted, or replaced by a foreign writer
+    /// with a record that lets someone take over at once): the term written in it is void, by the
+    /// docs' definition, whether its holder still runs or not, and also if it starts only later
+    /// (its acquire is acknowledged after the loss).
+    fn void_current_record(&mut self) {
+        let mut terms: Vec<(String, u64)> = self.store.owner.take().into_iter().collect();
+        if let Some((Stored::Record(r), _)) = &self.store.cur {
+            terms.push((r.holder_identity.clone(), r.transitions));
+        }
+        for (holder, token) in terms {
+            if holder.is_empty() {
+                continue;
+            }
+            for iv in &mut self.intervals {
+                if iv.token == token && iv.identity == holder {
+                    iv.voided = true;
+                }
+            }
+            self.lost.push((holder, token));
+        }
+    }
+
+    /// A foreign client edits the stored record.
+    fn foreign_edit(&mut self, edit: Edit) {
+        let Some((Stored::Record(cur), _)) = self.store.cur.clone() else {
             return;
         };
-        let (holder, token) = (r.holder_identity.clone(), r.transitions);
-        // The incarnations that may hold (or be about to start) a term on the lost record: the
-        // running nodes with the holder's identity (a restarted node may reuse an identity).
-        let running: Vec<(usize, u64)> = self
-            .nodes
-            .iter()
-            .enumerate()
-            .filter(|(_, nd)| nd.machine.is_some() && nd.identity == holder)
-            .map(|(i, nd)| (i, nd.incarnation))
-            .collect();
-        for iv in &mut self.intervals {
-            if iv.token == token && running.contains(&(iv.node, iv.incarnation)) {
-                iv.voided = true;
+        let mut r = cur.clone();
+        match edit {
+            Edit::Vacate => r.holder_identity.clear(),
+            Edit::Holder => {
+                let others: Vec<String> = self
+                    .nodes
+                    .iter()
+                    .map(|n| n.identity.clone())
+                    .filter(|i| !i.is_empty() && *i != cur.holder_identity)
+                    .collect();
+                r.holder_identity = if others.is_empty() || self.rng.chance(0.3) {
+                    "a-stranger".into()
+                } else {
+                    others[self.rng.below(others.len() as u64) as usize].clone()
+                };
+            }
+            Edit::Shorter => {
+                r.lease_duration = Duration::from_secs(self.rng.below(LEASE.as_secs()));
+            }
+            Edit::Longer => {
+                r.lease_duration = LEASE + Duration::from_secs(1 + self.rng.below(30));
+            }
+            Edit::AcquireTime => {
+                r.acquire_time = r
+                    .acquire_time
+                    .map(|t| t - Duration::from_secs(1 + self.rng.below(100)));
+            }
+            Edit::RenewTime => {
+                let d = Duration::from_micros(1 + self.rng.below(100_000_000));
+                r.renew_time = r
+                    .renew_time
+                    .map(|t| if self.rng.chance(0.5) { t - d } else { t + d });
+            }
+            Edit::Transitions if self.profile.commit_tokens => {
+                r.transitions = self.rng.below(r.transitions.saturating_add(20));
+            }
+            Edit::Transitions => {
+                // Fencing seeds derive tokens from the record: a writer that lowers the token is
+                // outside their guarantee (the README says so); raising it is modelled.
+                r.transitions = r.transitions.saturating_add(1 + self.rng.below(20));
+            }
+            Edit::TransitionsNearMax => {
+                r.transitions = u64::MAX - self.rng.below(3);
+                self.exhausted = true;
+            }
+            Edit::Restore => {
+                // With fencing seeds a restore that lowers the token is outside the guarantee
+                // (as any writer that lowers it); with commit tokens every restore is modelled.
+                let copies: Vec<LeaseRecord> = self
+                    .store
+                    .history
+                    .iter()
+                    .filter(|h| self.profile.commit_tokens || h.transitions >= cur.transitions)
+                    .cloned()
+                    .collect();
+                if copies.is_empty() {
+                    return;
+                }
+                r = copies[self.rng.below(copies.len() as u64) as usize].clone();
             }
         }
-        for (node, inc) in running {
-            self.lost.push((node, inc, token));
+        let same_term = r.holder_identity == cur.holder_identity
+            && r.transitions == cur.transitions
+            && r.acquire_time == cur.acquire_time;
+        // An older term's record may be taken back at once by the elector that wrote it.
+        let older_term = self
+            .intervals
+            .iter()
+            .any(|iv| iv.identity == r.holder_identity && iv.token == r.transitions && !same_term);
+        self.log(|| {
+            format!(
+                "chaos: a foreign client writes {edit:?}: holder={:?} token={} duration={:?}",
+                r.holder_identity, r.transitions, r.lease_duration
+            )
+        });
+        // A restore that replaces the current term's record with another record loses the
+        // current record (its writer may even take the restored one back at once).
+        if r.is_vacant() || older_term || (edit == Edit::Restore && !same_term) {
+            self.void_current_record();
+        }
+        // A longer duration legitimately delays the takeover: liveness counts from its end.
+        let until = self.now + r.lease_duration;
+        self.faults_until = self.faults_until.max(until);
+        let shorter = same_term && r.lease_duration < LEASE;
+        let holder = cur.holder_identity.clone();
+        let v = self.store.write(Some(Stored::Record(r)));
+        if shorter {
+            // Followers that see this write may take over before the leader learns of it.
+            let now = self.now;
+            for iv in &mut self.intervals {
+                if iv.identity == holder
+                    && iv.token == cur.transitions
+                    && iv.end.is_none()
+                    && iv.exempt_version.is_none()
+                {
+                    iv.exempt.push((now, None));
+                    iv.exempt_version = Some(v);
+                }
+            }
+        }
+        self.notify();
+    }
+
+    /// Node `n` observed store version `v`: an exempt window waiting for that closes.
+    fn observed_version(&mut self, n: usize, v: &Version) {
+        let Some(i) = self.nodes[n].interval else {
+            return;
+        };
+        let Ok(v) = v.as_str().parse::<u64>() else {
+            return;
+        };
+        let now = self.now;
+        let iv = &mut self.intervals[i];
+        if iv.exempt_version.is_some_and(|e| v >= e) {
+            iv.exempt_version = None;
+            if let Some(last) = iv.exempt.last_mut()
+                && last.1.is_none()
+            {
+                last.1 = Some(now);
+            }
         }
     }
 
@@ -1172,9 +1688,12 @@ impl Sim {
         self.notify();
     }
 
-    /// Schedules the current state for every open watch, in order per watch.
+    /// Schedules the current state for every open watch, in order per watch. While faults last,
+    /// a watch may also deliver an event twice, deliver an older state after it (a store that
+    /// breaks its contract), or coalesce it into the state at delivery time.
     fn notify(&mut self) {
         let Some(ev) = self.store.event() else { return };
+        let older = self.store.history.back().cloned();
         for n in 0..self.nodes.len() {
             let Some(w) = &self.nodes[n].watch else {
                 continue;
@@ -1184,17 +1703,52 @@ impl Sim {
             }
             let id = w.id;
             let lat = self.latency();
+            let (dup, stale, coalesce) = if self.healthy {
+                (false, false, false)
+            } else {
+                (
+                    self.rng.chance(self.profile.p_watch_dup),
+                    self.rng.chance(self.profile.p_watch_stale),
+                    self.rng.chance(self.profile.p_watch_coalesce),
+                )
+            };
             let w = self.nodes[n].watch.as_mut().expect("checked");
             let at = (self.now + lat).max(w.last);
             w.last = at;
-            self.push_own(
-                at,
-                n,
+            let item = if coalesce {
+                Ev::WatchLatest { id }
+            } else {
                 Ev::WatchItem {
                     id,
                     item: Some(Ok(ev.clone())),
-                },
-            );
+                }
+            };
+            self.push_own(at, n, item);
+            if dup {
+                self.push_own(
+                    at,
+                    n,
+                    Ev::WatchItem {
+                        id,
+                        item: Some(Ok(ev.clone())),
+                    },
+                );
+            }
+            if stale && let Some(r) = &older {
+                // The version is unknown here: an older record at a version below the current.
+                let v = self.store.version().unwrap_or(1).saturating_sub(1).max(1);
+                self.push_own(
+                    at,
+                    n,
+                    Ev::WatchItem {
+                        id,
+                        item: Some(Ok(WatchEvent::Put(Versioned {
+                            record: r.clone(),
+                            version: Version::from(v),
+                        }))),
+                    },
+                );
+            }
         }
     }
 }
