@@ -15,16 +15,29 @@
 //!    [`Leadership::valid_until`]. Validity terms of different electors never overlap.
 //! 2. **Fencing tokens strictly increase from term to term** on a key, also across deletion or
 //!    loss of the record where the store has a monotonic source (see
-//!    [`LeaseStore::fencing_seed`](crate::LeaseStore::fencing_seed) and the README's store table).
+//!    [`LeaseStore::acquire`](crate::LeaseStore::acquire),
+//!    [`LeaseStore::fencing_seed`](crate::LeaseStore::fencing_seed) and the README's store
+//!    table). On a store that assigns tokens at commit
+//!    ([`Capabilities::commit_tokens`](crate::Capabilities::commit_tokens)) no token is issued
+//!    twice, not even to a void term. No term starts with a token that is not above the last
+//!    one seen: when none can be represented, the elector does not lead and reports
+//!    [`Error::TokenExhausted`] through [`Elector::store_health`].
 //! 3. **Prompt takeover.** Once faults stop, some elector leads within
 //!    `lease_duration + renew_deadline + 2.2 × retry_period` (scaled by the clock-rate bound, plus
 //!    a few store round trips), polling followers included.
 //!
-//! A record deleted or lost while its term is valid voids guarantee 1 for that term (an elector
-//! that missed the deletion cannot know the term existed), and guarantee 2 for it: among the
-//! other terms tokens still strictly increase, but a void term can start late with a lower token
-//! (which fencing rejects), and a later term can repeat a void term's token when a create was
-//! delayed across the loss (its fencing seed was read before the lost record's writes).
+//! A record lost while its term is valid (deleted, overwritten with data that is not a record,
+//! released or replaced by an older term's copy by another client) voids guarantee 1 for that
+//! term: an elector that missed it cannot know the term existed. With fencing seeds (no commit
+//! tokens) it voids guarantee 2 for that term too: a later term can repeat its token when a
+//! create was delayed across the loss.
+//!
+//! Another writer that edits the record's fields without losing it (holder, times, token, a
+//! restored copy of the same term's record) voids nothing. One that **shortens the lease
+//! duration** can let followers take over before the leader could know: guarantee 1 does not
+//! hold from that write until the leader observes it; from then on the term is valid at most
+//! `renew_deadline / lease_duration` of the written duration after its last confirmed renewal
+//! ([`machine::Output::Shortened`]), and the next renewal writes the elector's own duration.
 //!
 //! # Assumptions
 //!
@@ -61,11 +74,14 @@
 //!   Without a watch (unsupported, or failing: re-opened with jittered backoff) followers poll
 //!   every `retry_period`, jittered by client-go's factor 1.2.
 //! - **Own writes recognised.** After a write that failed or timed out, the elector reads back
-//!   and recognises a write of its own by holder, fencing token and acquire time (and which
-//!   renewal landed by its renew time; times are written at microsecond precision, which every
-//!   store keeps). A version-only change that keeps the record (a label edit on a kube Lease) is
-//!   adopted. A record this elector instance wrote in an earlier term (its renewal landed after it
-//!   stepped down, say after a store pause) is taken back at once, as a new term.
+//!   and recognises a write of its own by holder and acquire time, and by fencing token where it
+//!   chose the token (and which renewal landed by its renew time; times are written at
+//!   microsecond precision, which every store keeps). A change by another writer that keeps the
+//!   term (a label edit on a kube Lease, a restored older copy of its record) is adopted; a watch
+//!   that delivers a version this term already replaced is ignored. Every renewal writes the
+//!   elector's own lease duration. A record this elector instance wrote in an earlier term (its
+//!   renewal landed after it stepped down, say after a store pause) is taken back at once, as a
+//!   new term.
 //! - **Ordered release.** [`Elector::shutdown`] and [`Elector::yield_for`] end the term (status
 //!   changes, tasks are cancelled with [`StopCause::SteppedDown`](crate::StopCause::SteppedDown)), **keep renewing** while every
 //!   [`Leadership`] guard is dropped (up to [`ElectorConfig::drain_timeout`]), then revoke the term
@@ -73,8 +89,11 @@
 //!   is awaited, not abandoned, so the release goes to the right version. If tasks outlive the
 //!   drain timeout, the term is revoked and the lease is **not** released: it expires, and the next
 //!   leader starts only after that.
-//! - **Fencing token.** Each acquisition writes `transitions + 1`; a fresh record starts at the
-//!   store's fencing seed (or one above the highest token this elector has seen).
+//! - **Fencing token.** A store with commit tokens assigns each acquisition's token at commit
+//!   ([`LeaseStore::acquire`](crate::LeaseStore::acquire)), so a write that lands late still gets
+//!   a token above every earlier one. Otherwise each acquisition writes `transitions + 1`, and a
+//!   fresh record starts at the store's fencing seed (or one above the highest token this
+//!   elector has seen), checked against a second seed after the create.
 //! - **Health.** [`Elector::check_health`] fails when the elector believes it leads past its
 //!   term's validity (its task is stuck), or when its task failed.
 //! - **Corrupt records** are treated as held by an unknown holder and replaced only after they

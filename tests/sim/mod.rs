@@ -2,27 +2,65 @@
 //!
 //! Several machines run against one simulated lease store (a linearizable register with a
 //! revision counter, as etcd or the memory store) on a virtual clock. One seed decides every
-//! latency, fault and interleaving, so a seed replays a schedule exactly.
+//! latency, fault and interleaving, so a seed replays a schedule exactly (for the fault model of
+//! the commit it runs on: a seed names another schedule once the model grows).
 //!
-//! Faults (during the first phase of a run):
-//! - request latency before **and after** commit, with long tails past the request deadline;
-//! - requests lost before commit, replies lost after commit, writes that land but report an
-//!   error, and replayed writes (a client retry whose second attempt reports a conflict);
-//! - watches that fail to open (for windows: on every open), break, or lag;
-//! - foreign writes that change only the version, deletions (data loss), corrupt data;
-//! - per-elector pauses (SIGSTOP) longer than the lease, crashes, graceful restarts, yields,
-//!   leader tasks that drain slowly (past the drain timeout);
-//! - per-elector clock **rate** drift within ±`DRIFT`, and arbitrary wall-clock skew.
+//! # Fault classes modelled (during the first phase of a run)
 //!
-//! Invariants, checked on the simulator's true clock:
+//! - **Stores**: fencing tokens assigned at commit (as memory, etcd and Redis; the token is
+//!   above the revision and every token ever written) or fencing seeds (as Kubernetes; the
+//!   seed source knows every token written, an ideal seed), chosen per run.
+//! - **Requests**: latency before **and after** commit, with long tails past the request
+//!   deadline; requests lost before commit, replies lost after commit, writes that land but
+//!   report an error, replayed writes (a client retry whose second attempt reports a conflict).
+//! - **Watches**: failing to open (for windows: on every open), breaking, lagging, delivering an
+//!   event twice, delivering an older state after a newer one (a store breaking its contract),
+//!   coalescing an event into the state at delivery time.
+//! - **Foreign writers**: version-only rewrites; edits of the holder (to another candidate, a
+//!   stranger, or vacant), of the lease duration (shorter and longer than the electors'), of
+//!   the acquire and renew times, of the token (to other values, and near `u64::MAX`); restores
+//!   of an older copy of a record; deletions and corrupt data (data loss).
+//! - **Processes**: pauses (SIGSTOP) longer than the lease, crashes (a request in flight may
+//!   still commit later), graceful restarts, identity reuse by a restarted process, **two
+//!   processes with one identity at once**, yields, leader tasks that drain slowly (past the
+//!   drain timeout), per-elector clock **rate** drift within ±`DRIFT`, and arbitrary wall-clock
+//!   skew.
+//! - **Leader tasks as actors**: each term's task acts now and then if `ensure_leading` passes
+//!   (the term's validity against its own clock, as `Leadership::ensure_leading`); it is paused
+//!   with its process; it may yield (or panic, which steps down the same way) from inside.
+//! - **Configurations**: `trust_absence = true` for all electors of some runs.
+//!
+//! # Not modelled
+//!
+//! - Several keys, or stores whose operations on one key are not linearizable (Redis failover
+//!   with asynchronous replication loses acknowledged writes: a loss the model has, but not
+//!   the stale reads a lagging replica would serve).
+//! - Clocks that jump or stop (`CLOCK_MONOTONIC` suspended with the system); rates beyond
+//!   ±`DRIFT`.
+//! - With fencing seeds, writers that **lower** the token (including restores of copies with a
+//!   lower token): outside the seed scheme's guarantee (see the README); with commit tokens
+//!   they are modelled.
+//! - The tokio driver, the status cell and `run_leader_tasks` themselves (the task actor models
+//!   their contract; `tests/safety_regressions.rs`, `tests/leader_tasks.rs` and
+//!   `tests/lifecycle.rs` test them), and the store backends' code (the conformance suite does).
+//!
+//! # Invariants, checked on the simulator's true clock
+//!
 //! 1. validity intervals of terms never overlap (a term is valid from `Leading` until the
-//!    earlier of `Revoked`, its `valid_until`, or a crash);
-//! 2. among terms not voided by data loss (a term is void when its record was deleted or
-//!    overwritten by a foreign writer while it ran or before it began), fencing tokens strictly
-//!    increase in term order; void terms are exempt from 1 and 2;
-//! 3. after the faults stop, some elector leads within
+//!    earlier of `Revoked`, its `valid_until` as last announced, or a crash), except terms
+//!    **void** by the docs' definition (their record was lost while valid: deleted, corrupted,
+//!    vacated or replaced by an older term's copy by a foreign writer; also when the term starts
+//!    only later), and except the window from a foreign write that shortened a term's lease
+//!    duration until its elector observed that write;
+//! 2. fencing tokens strictly increase in term order among terms that are not void, and with
+//!    commit tokens no token is ever repeated, void terms included;
+//! 3. no leader task acts on a term after a later term's first action (outside the exceptions
+//!    of 1);
+//! 4. after the faults stop, some elector leads within
 //!    `lease_duration + renew_deadline + 2.2 × retry_period` (scaled by the drift bound, plus the
-//!    healthy store's latency).
+//!    healthy store's latency), counted from the end of a longer lease duration a foreign writer
+//!    set; not after a foreign writer set a token no higher one can follow (by design, no term
+//!    then starts).
 
 #![allow(dead_code)]
 
