@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use leasehold::fault::FaultyStore;
 use leasehold::{
-    Capabilities, DynLeaseStore, Elector, ElectorConfig, Error, LeaderStatus, LeaseKey,
+    Capabilities, DynLeaseStore, Elector, ElectorConfig, Error, LeaderStatus, LeaseKey, LeaseStore,
     MemoryStore, run_leader_tasks,
 };
 use tokio_util::sync::CancellationToken;
@@ -332,4 +332,36 @@ async fn a_clone_held_by_run_leader_tasks_keeps_the_elector_running() {
     .await
     .expect("the last handle's drop stops the elector")
     .expect("the status reports the stop");
+}
+
+/// A record whose token is at `u64::MAX` (written by another tool): the elector never starts a
+/// term on a token that is not above it, and says why through `store_health`.
+#[tokio::test(start_paused = true)]
+async fn an_exhausted_fencing_token_is_refused_and_reported() {
+    let store = Arc::new(MemoryStore::new());
+    let key = LeaseKey::new("exhausted").expect("valid key");
+    let vacant = leasehold::LeaseRecord {
+        holder_identity: String::new(),
+        lease_duration: Duration::from_secs(1),
+        acquire_time: None,
+        renew_time: None,
+        transitions: u64::MAX,
+    };
+    store.create(&key, &vacant).await.expect("created");
+    let config = ElectorConfig::new(key, "a").with_timings(
+        Duration::from_secs(2),
+        Duration::from_millis(1500),
+        Duration::from_millis(300),
+    );
+    let elector = Elector::spawn(store, config).expect("spawned");
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    assert!(
+        !elector.is_leading(),
+        "no term starts on an exhausted token"
+    );
+    match elector.store_health() {
+        Err(Error::TokenExhausted { last, .. }) => assert_eq!(last, u64::MAX),
+        other => panic!("store_health says {other:?}"),
+    }
+    elector.shutdown().await.expect("shuts down");
 }

@@ -342,6 +342,8 @@ struct Shared {
     failed: Mutex<Option<String>>,
     /// The store's failures in a row, if its last operation failed.
     store_failure: Mutex<Option<StoreFailure>>,
+    /// The highest token seen, when no higher one could be issued (sticky until a term starts).
+    tokens_exhausted: Mutex<Option<u64>>,
     /// The store's name, for errors.
     store_name: &'static str,
     metrics: crate::metrics::Metrics,
@@ -485,6 +487,7 @@ impl Elector {
             validity: Mutex::new(None),
             failed: Mutex::new(None),
             store_failure: Mutex::new(None),
+            tokens_exhausted: Mutex::new(None),
             store_name: store.name(),
             metrics,
             stopped: CancellationToken::new(),
@@ -596,11 +599,23 @@ impl Elector {
     /// is idle shows once the watch breaks and cannot be reopened.
     ///
     /// # Errors
-    /// [`Error::StoreFailing`]; [`Error::ElectorFailed`] when the elector's task failed.
+    /// [`Error::StoreFailing`]; [`Error::TokenExhausted`] while no fencing token above the last
+    /// one can be issued for the key (the elector does not lead; see the module docs);
+    /// [`Error::ElectorFailed`] when the elector's task failed.
     pub fn store_health(&self) -> Result<()> {
         let shared = &self.inner.shared;
         if let Some(e) = shared.failure() {
             return Err(e);
+        }
+        if let Some(last) = *shared
+            .tokens_exhausted
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+        {
+            return Err(Error::TokenExhausted {
+                key: shared.config.key.to_string(),
+                last,
+            });
         }
         let cur = shared
             .store_failure
@@ -854,6 +869,11 @@ impl Driver {
                         .lock()
                         .unwrap_or_else(|e| e.into_inner()) = Some(l.validity_cell());
                     self.shared.status.set(LeaderStatus::Leading(l.clone()));
+                    *self
+                        .shared
+                        .tokens_exhausted
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner()) = None;
                     self.shared.metrics.leading(true);
                     self.shared
                         .metrics
@@ -887,10 +907,11 @@ impl Driver {
                     }
                 }
                 Output::TokensExhausted { last } => {
-                    self.shared.store_outcome(Some(&Error::TokenExhausted {
-                        key: self.shared.config.key.to_string(),
-                        last,
-                    }));
+                    *self
+                        .shared
+                        .tokens_exhausted
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner()) = Some(last);
                 }
                 Output::TermEnded { cause } => {
                     self.shared.metrics.leading(false);
