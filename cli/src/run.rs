@@ -84,10 +84,10 @@ pub(crate) async fn run(args: RunArgs) -> Result<u8, CliError> {
         .with_timings(args.lease_duration, args.renew_deadline, args.retry_period)
         // The command is stopped (SIGTERM, --grace, SIGKILL) before the release: give the
         // drain that long and a little more.
-        .with_drain_timeout(args.grace + Duration::from_secs(5));
+        .with_drain_timeout(args.grace.saturating_add(Duration::from_secs(5)));
     config.validate().map_err(|e| {
         CliError::usage(format!(
-            "{e} (--lease-duration, --renew-deadline, --retry-period)"
+            "{e} (--lease-duration, --renew-deadline, --retry-period, --grace)"
         ))
     })?;
     if args.grace.is_zero() {

@@ -787,3 +787,70 @@ fn tls_flags_and_passwords_on_rediss() {
     let (code, _, err) = status("redis://127.0.0.1:1", &tls, &[]);
     assert_eq!(code, 64, "TLS flags need a TLS URL: {err}");
 }
+
+/// A record written by another tool with the largest lease duration the format holds
+/// (`leaseDurationSeconds: 18446744073709551615`): `status` (table and JSON) and `watch` show
+/// it and exit 0 instead of panicking on the time arithmetic.
+#[test]
+fn status_and_watch_show_a_huge_lease_duration() {
+    let server = redis_common::Server::start();
+    let url = server.url();
+    let lease = "e2e-huge";
+    let rt = runtime();
+    let data = format!(
+        "{{\"holderIdentity\":\"other-tool\",\"leaseDurationSeconds\":{},\
+         \"acquireTime\":\"2026-11-29T20:04:19.123456Z\",\
+         \"renewTime\":\"2026-11-29T20:04:21.123456Z\",\"leaderTransitions\":4}}",
+        u64::MAX
+    );
+    rt.block_on(redis_common::raw_cmd(
+        &url,
+        redis::cmd("HSET")
+            .arg(format!("{{leasehold:}}rec:{lease}"))
+            .arg("v")
+            .arg("1")
+            .arg("d")
+            .arg(&data),
+    ));
+    let (code, out, err) = leasehold(
+        &["status", "--store", &url, "--lease", lease, "--json"],
+        &[],
+    );
+    assert_eq!(code, 0, "status --json: {err}");
+    let j = &json_lines(&out)[0];
+    assert_eq!(j["holder"], "other-tool", "{j}");
+    assert_eq!(j["fencing_token"], 4, "{j}");
+    assert_eq!(j["lease_duration_seconds"], u64::MAX as f64, "{j}");
+    assert_eq!(j["looks_expired"], false, "{j}");
+    let (code, out, err) = leasehold(&["status", "--store", &url, "--lease", lease], &[]);
+    assert_eq!(code, 0, "status: {err}");
+    assert!(out.contains("other-tool") && out.contains("held"), "{out}");
+    for json in [true, false] {
+        let mut args = vec!["watch", "--store", url.as_str(), "--lease", lease];
+        if json {
+            args.push("--json");
+        }
+        let mut watch = KillOnDrop(
+            Command::new(leasehold_bin())
+                .args(&args)
+                .stdin(std::process::Stdio::null())
+                .stdout(std::process::Stdio::piped())
+                .stderr(std::process::Stdio::piped())
+                .spawn()
+                .unwrap(),
+        );
+        let mut first = String::new();
+        std::io::BufRead::read_line(
+            &mut std::io::BufReader::new(watch.0.stdout.take().unwrap()),
+            &mut first,
+        )
+        .unwrap();
+        assert!(
+            first.contains("other-tool"),
+            "watch (json: {json}): {first:?}"
+        );
+        kill(watch.0.id(), Signal::TERM);
+        let status = watch.0.wait().unwrap();
+        assert_eq!(status.code(), Some(0), "watch (json: {json}) ends cleanly");
+    }
+}
