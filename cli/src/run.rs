@@ -338,8 +338,13 @@ impl TaskCtx<'_> {
             identity: self.identity,
             fencing_token: token,
         };
-        // Spawned right here: on the main thread (see `child`).
-        let mut proc = match child::spawn(&self.args.cmd, &env) {
+        let timing = child::Timing {
+            grace: self.args.grace,
+            lost_grace: self.lost_grace,
+            feed_every: (self.args.retry_period / 4)
+                .clamp(Duration::from_millis(5), Duration::from_millis(100)),
+        };
+        let mut proc = match child::spawn(&self.args.cmd, &env, &leader, &timing) {
             Ok(p) => p,
             Err(e) => {
                 *self.state.outcome.borrow_mut() = Some(Outcome::SpawnFailed(CliError::new(
@@ -350,10 +355,6 @@ impl TaskCtx<'_> {
                 return;
             }
         };
-        let Some(pgid) = child::group_of(&proc) else {
-            // Already reaped: cannot happen before we wait; treat as exited.
-            return;
-        };
         http::command_running(self.key, true);
         let outcome = tokio::select! {
             biased;
@@ -362,27 +363,39 @@ impl TaskCtx<'_> {
                 let lost = cause == Some(StopCause::LeaseLost);
                 let grace = if lost { self.lost_grace } else { self.args.grace };
                 say(format!(
-                    "{}; stopping the command: SIGTERM to process group {}, SIGKILL after {}",
+                    "{}; stopping the command: SIGTERM to {}, SIGKILL after {}",
                     match cause {
                         Some(StopCause::LeaseLost) => "leadership ended: the lease was lost",
                         Some(StopCause::SteppedDown) => "leadership ended: stepping down",
                         _ => "leasehold is stopping",
                     },
-                    pgid.as_raw_nonzero(),
+                    group_words(&proc),
                     humantime::format_duration(grace)
                 ));
-                let status = child::stop(&mut proc, pgid, grace).await;
+                let status = proc.stop(grace, lost, &leader).await;
                 say(format!("the command {}", exit::describe_status(status)));
-                if lost { Outcome::Lost(status) } else { Outcome::Stopped(status) }
+                if lost || proc.expired() {
+                    if !lost {
+                        say("the term's deadline passed while the command stopped: it got the lost-term grace");
+                    }
+                    Outcome::Lost(status)
+                } else {
+                    Outcome::Stopped(status)
+                }
             }
-            status = proc.wait() => {
-                let status = match status {
-                    Ok(s) => s,
-                    Err(_) => child::stop(&mut proc, pgid, self.args.grace).await,
-                };
-                child::reap_rest(pgid, self.args.grace).await;
-                say(format!("the command {}", exit::describe_status(status)));
-                Outcome::Exited(status)
+            status = proc.wait(&leader) => {
+                if proc.expired() {
+                    say(format!(
+                        "the term's deadline passed: the command was stopped (SIGTERM, SIGKILL \
+                         after {}) and {}",
+                        humantime::format_duration(self.lost_grace),
+                        exit::describe_status(status)
+                    ));
+                    Outcome::Lost(status)
+                } else {
+                    say(format!("the command {}", exit::describe_status(status)));
+                    Outcome::Exited(status)
+                }
             }
         };
         http::command_running(self.key, false);
@@ -410,6 +423,14 @@ impl TaskCtx<'_> {
                 let _ = elector.yield_for(pause).await;
             });
         }
+    }
+}
+
+/// "process group N", or "its process group" before the shim reported it.
+fn group_words(proc: &child::Supervised) -> String {
+    match proc.group() {
+        Some(g) => format!("process group {}", g.as_raw_nonzero()),
+        None => "the command's process group".to_owned(),
     }
 }
 
