@@ -27,19 +27,24 @@ When leadership ends, the command is stopped before anything else: SIGTERM to it
 group, SIGKILL after --grace, and leasehold waits for it. Leadership ends when
   - the lease is lost (another holder took it, or no renewal landed within --renew-deadline).
     The command is signalled as soon as the term's deadline passes by the monotonic clock, even
-    if leasehold itself was paused (SIGSTOP, a VM stall) and has not yet heard of the loss. The
-    grace is then at most --lease-duration minus --renew-deadline, the time before another
-    candidate may take over;
+    if leasehold itself is paused (SIGSTOP, a VM stall): its supervisor (below) holds the
+    deadline. The grace is then at most --lease-duration minus --renew-deadline, the time
+    before another candidate may take over, also when the term is lost during the grace of an
+    ordered stop;
   - leasehold gets SIGTERM, SIGINT or SIGHUP: it stops the command while it still renews the
     lease, and only then releases it (ordered release), so the next holder starts right after.
 When the command exits by itself, leasehold releases the lease and exits with the command's
 exit code (128+N if a signal N killed it), or with --restart releases it and campaigns again.
+What the command left in its process group gets SIGTERM, and SIGKILL after --grace.
 
-If leasehold itself dies (SIGKILL, OOM kill), its command gets SIGKILL at once on Linux and
-FreeBSD (parent-death signal), so it never runs beside the next holder's. Processes the command
-started in other process groups, or that outlive it, are not covered; on other platforms there
-is no parent-death signal. The command runs in a background process group: it must not read
-from the terminal (that stops it with SIGTTIN); give it its input through a pipe or a file.";
+The command runs under a small supervisor process, `leasehold __exec`, that is neither killed
+nor paused with leasehold. If leasehold dies (SIGKILL, OOM kill), the supervisor SIGKILLs the
+command's whole process group at once, so nothing of it runs beside the next holder's command.
+If leasehold is paused, the supervisor stops the command's group at the term's deadline.
+Processes the command started in other process groups are not covered. On platforms other
+than Linux the supervisor has no deadline, and it checks every 20 ms whether leasehold died.
+The command runs in a background process group: it must not read from the terminal (that
+stops it with SIGTTIN); give it its input through a pipe or a file.";
 
 pub(crate) const EXAMPLES: &str = "\
 Examples:
@@ -140,9 +145,13 @@ pub(crate) async fn run(args: RunArgs) -> Result<u8, CliError> {
         fatal: RefCell::new(None),
     };
     let parent = CancellationToken::new();
+    // After a lost term the command must be gone before another candidate may take over
+    // (lease − renew deadline after the deadline); a tenth of that, at most 1 s, is left for
+    // the scheduling of the processes that kill it.
+    let slack = args.lease_duration.saturating_sub(args.renew_deadline);
     let lost_grace = args
         .grace
-        .min(args.lease_duration.saturating_sub(args.renew_deadline))
+        .min(slack.saturating_sub((slack / 10).min(Duration::from_secs(1))))
         .max(Duration::from_millis(1));
     let ctx = TaskCtx {
         args: &args,

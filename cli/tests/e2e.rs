@@ -421,7 +421,7 @@ fn help_documents_exit_codes_and_url_forms() {
         "LEASEHOLD_FENCING_TOKEN",
         "SIGTERM",
         "--grace",
-        "parent-death",
+        "supervisor",
     ] {
         assert!(out.contains(s), "{s}: {out}");
     }
@@ -929,11 +929,30 @@ fn status_and_watch_show_a_huge_lease_duration() {
 }
 
 /// `leasehold run` SIGKILLed while its command, a shell script, waits for a grandchild in the
-/// same process group (a shell running a foreground `sleep`, then writing a file): the whole
-/// group dies with `leasehold`, so the grandchild never writes.
+/// same process group (a shell that ignores SIGTERM, running a foreground `sleep`, then writing
+/// a file): the whole group dies with `leasehold`, so the grandchild never writes. The term's deadline (15 s) is
+/// far beyond the grandchild's write (2 s): it is the death of `leasehold` that kills the
+/// group, not the watchdog.
 #[test]
 fn run_killed_takes_the_commands_whole_group_with_it() {
     let server = redis_common::Server::start();
+    let rt = runtime();
+    let store = rt
+        .block_on(leasehold_redis::RedisStore::connect(
+            leasehold_redis::RedisConfig::new(server.url()).unwrap(),
+        ))
+        .unwrap();
+    // A vacant record: taken at once (an absent one waits a lease duration).
+    let vacant = leasehold::LeaseRecord {
+        holder_identity: String::new(),
+        ..record("", 1)
+    };
+    rt.block_on(leasehold::LeaseStore::create(
+        &store,
+        &leasehold::LeaseKey::new("e2e-group").unwrap(),
+        &vacant,
+    ))
+    .unwrap();
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path();
     let script = d.join("report.sh");
@@ -941,7 +960,7 @@ fn run_killed_takes_the_commands_whole_group_with_it() {
         &script,
         "#!/bin/sh\n\
          echo $$ > \"$1/top.pid\"\n\
-         sh -c 'echo $$ > \"$1/grand.pid.tmp\"; mv \"$1/grand.pid.tmp\" \"$1/grand.pid\"; \
+         sh -c 'trap \"\" TERM; echo $$ > \"$1/grand.pid.tmp\"; mv \"$1/grand.pid.tmp\" \"$1/grand.pid\"; \
          sleep 2; echo late >> \"$1/written\"' grandchild \"$1\"\n\
          echo done >> \"$1/written\"\n",
     )
@@ -951,7 +970,8 @@ fn run_killed_takes_the_commands_whole_group_with_it() {
         Command::new(leasehold_bin())
             .args(["run", "--store", &server.url(), "--lease", "e2e-group"])
             .args(["--identity", "g"])
-            .args(TIMINGS)
+            .args(["--lease-duration", "20s", "--renew-deadline", "15s"])
+            .args(["--retry-period", "1s"])
             .arg("--")
             .arg("sh")
             .arg(&script)
@@ -1069,8 +1089,14 @@ fn run_stop_grace_ends_with_the_term() {
     );
     let (_, tok1, _, pid1) = wait_until("the first child", LIMIT, || starts(&log).first().cloned());
     let _next = start_runner_env(dir.path(), &server.url(), lease, "new", &[], &env);
-    // Let the follower see the leader's renewals.
-    std::thread::sleep(Duration::from_millis(500));
+    // Renewals move the term's deadline in the shim: the leader's command runs on past twice
+    // the renew deadline (and the follower sees the renewals).
+    std::thread::sleep(Duration::from_secs(3));
+    assert!(
+        !process_gone(pid1) && !read_log(&log).iter().any(|r| matches!(r, Rec::Term { .. })),
+        "a renewing leader's command must run on; leasehold:\n{}",
+        leader.stderr_text()
+    );
     let term_at = mono_ns();
     kill(leader.pid(), Signal::TERM);
     wait_until("the old child to get SIGTERM", LIMIT, || {
@@ -1143,4 +1169,41 @@ fn run_exits_with_the_commands_status() {
             assert!(err.contains("killed by signal 10"), "{err}");
         }
     }
+}
+
+/// A command that exits (code 3) leaving a grandchild in its process group that ignores
+/// SIGTERM and would write a file after 2 s: the rest of the group gets SIGTERM, then SIGKILL
+/// after `--grace` (200 ms), before `leasehold` exits with the command's code.
+#[test]
+fn run_reaps_what_the_command_left_in_its_group() {
+    let server = redis_common::Server::start();
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path().to_str().unwrap().to_owned();
+    let script = "sh -c 'trap \"\" TERM; echo $$ > \"$0/grand.pid\"; sleep 2; \
+                  echo late > \"$0/written\"' \"$0\" &\n\
+                  while [ ! -s \"$0/grand.pid\" ]; do sleep 0.01; done; exit 3";
+    let url = server.url();
+    let mut args = vec![
+        "run",
+        "--store",
+        url.as_str(),
+        "--lease",
+        "e2e-reap",
+        "--grace",
+        "200ms",
+    ];
+    args.extend(TIMINGS);
+    args.extend(["--", "sh", "-c", script, d.as_str()]);
+    let (code, _, err) = leasehold(&args, &[]);
+    assert_eq!(code, 3, "{err}");
+    let grand: u32 = std::fs::read_to_string(dir.path().join("grand.pid"))
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    assert!(
+        process_gone(grand),
+        "the grandchild outlived leasehold: {err}"
+    );
+    assert!(!dir.path().join("written").exists(), "{err}");
 }
