@@ -1207,3 +1207,52 @@ fn run_reaps_what_the_command_left_in_its_group() {
     );
     assert!(!dir.path().join("written").exists(), "{err}");
 }
+
+/// An ordered stop while the store answers: renewals keep moving the term's deadline in the
+/// supervisor, so a command that ignores SIGTERM gets the whole `--grace` (3 s, longer than
+/// the renew deadline plus the lost-term grace) before its SIGKILL, and `leasehold` exits with
+/// 137.
+#[test]
+fn run_ordered_stop_keeps_the_whole_grace_while_renewing() {
+    let server = redis_common::Server::start();
+    let dir = tempfile::tempdir().unwrap();
+    let log = dir.path().join("children.log");
+    let env = [
+        ("LEASEHOLD_TEST_TICK_MS", "5"),
+        ("LEASEHOLD_TEST_IGNORE_TERM", "1"),
+    ];
+    let mut runner = start_runner_env(
+        dir.path(),
+        &server.url(),
+        "e2e-whole-grace",
+        "w",
+        &["--grace", "3s"],
+        &env,
+    );
+    let (_, tok, _, _) = wait_until("the child", LIMIT, || starts(&log).first().cloned());
+    kill(runner.pid(), Signal::TERM);
+    let status = runner.wait(LIMIT);
+    assert_eq!(status.code(), Some(137), "{}", runner.stderr_text());
+    let recs = read_log(&log);
+    let term_at = recs
+        .iter()
+        .find_map(|r| match r {
+            Rec::Term { token, at, .. } if *token == tok => Some(*at),
+            _ => None,
+        })
+        .expect("the child got SIGTERM");
+    let last = recs.iter().map(Rec::at).max().unwrap();
+    // Lower bound only: a deadline not moved by the renewals during the stop would have ended
+    // the command at most 1.95 s after the SIGTERM.
+    assert!(
+        ms(term_at, last) >= 2500.0,
+        "the command was killed {:.0} ms after its SIGTERM, before its 3 s grace: {}",
+        ms(term_at, last),
+        runner.stderr_text()
+    );
+    println!(
+        "ordered stop, --grace 3s, SIGTERM ignored: the command's last write {:.0} ms after its \
+         SIGTERM",
+        ms(term_at, last)
+    );
+}
