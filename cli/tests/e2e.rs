@@ -1256,3 +1256,79 @@ fn run_ordered_stop_keeps_the_whole_grace_while_renewing() {
         ms(term_at, last)
     );
 }
+
+/// The credentials-refused path: the leader's Redis user loses its permissions while its
+/// command (which ignores SIGTERM) runs with `--grace 20s`. `leasehold` starts the ordered stop
+/// at the refusal and exits with 77; renewals are refused, the term's deadline passes during the
+/// grace, and the command is dead, and wrote nothing, before the next holder's command starts.
+#[test]
+fn run_refused_stop_grace_ends_with_the_term() {
+    let server = redis_common::Server::start();
+    let rt = runtime();
+    rt.block_on(redis_common::raw_cmd(
+        &server.url(),
+        redis::cmd("ACL")
+            .arg("SETUSER")
+            .arg("old")
+            .arg("on")
+            .arg(">old-pw")
+            .arg("~*")
+            .arg("&*")
+            .arg("+@all"),
+    ));
+    let dir = tempfile::tempdir().unwrap();
+    let log = dir.path().join("children.log");
+    let lease = "e2e-refused-grace";
+    let env = [
+        ("LEASEHOLD_TEST_TICK_MS", "5"),
+        ("LEASEHOLD_TEST_IGNORE_TERM", "1"),
+    ];
+    let as_old = format!("redis://old:old-pw@127.0.0.1:{}", server.port);
+    let mut leader = start_runner_env(dir.path(), &as_old, lease, "old", &["--grace", "20s"], &env);
+    let (_, tok1, _, pid1) = wait_until("the first child", LIMIT, || starts(&log).first().cloned());
+    let _next = start_runner_env(dir.path(), &server.url(), lease, "new", &[], &env);
+    std::thread::sleep(Duration::from_millis(500));
+    let refused_at = mono_ns();
+    rt.block_on(redis_common::raw_cmd(
+        &server.url(),
+        redis::cmd("ACL").arg("SETUSER").arg("old").arg("-@all"),
+    ));
+    let (_, tok2, started2, _) = wait_until("the next holder's child", LIMIT, || {
+        starts(&log).get(1).cloned()
+    });
+    assert!(tok2 > tok1);
+    assert!(
+        process_gone(pid1),
+        "the old command must be dead once the next holder's command started; old leasehold:\n{}",
+        leader.stderr_text()
+    );
+    let recs = read_log(&log);
+    assert!(
+        recs.iter()
+            .any(|r| matches!(r, Rec::Term { token, .. } if *token == tok1)),
+        "the refusal started an ordered stop: {recs:#?}"
+    );
+    let last1 = recs
+        .iter()
+        .filter(|r| r.token() == tok1)
+        .map(Rec::at)
+        .max()
+        .unwrap();
+    assert!(
+        last1 < started2,
+        "the old command wrote after the next holder's command started: {recs:#?}"
+    );
+    let status = leader.wait(LIMIT);
+    let err = leader.stderr_text();
+    assert_eq!(
+        status.code(),
+        Some(77),
+        "refused credentials exit with 77:\n{err}"
+    );
+    println!(
+        "permissions revoked during the term, --grace 20s: the old command's last write was \
+         {:.0} ms after the revocation, {:.0} ms before the next holder's command started",
+        ms(refused_at, last1),
+        ms(last1, started2)
+    );
+}
