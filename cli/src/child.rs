@@ -25,7 +25,10 @@
 //! command's code, or 128+N. It also reports the command's process group (`pid N`) and a
 //! passed deadline (`expired`). It ignores SIGTERM, SIGINT and SIGHUP sent to it (a supervisor
 //! signalling every process of a service must not take the watchdog away), and starts nothing
-//! when `leasehold` is already gone or the deadline has already passed.
+//! when `leasehold` is already gone or the deadline has already passed. Should the shim itself
+//! die without its report (killed by someone), `leasehold` stops what is left of the group it
+//! reported: SIGTERM, and SIGKILL after 5 s. If the shim does not end the group within a stop's
+//! grace plus 2 s, `leasehold` closes the control pipe and SIGKILLs the group itself.
 //!
 //! # The pipes, without `unsafe`
 //!
