@@ -172,7 +172,7 @@ impl Timeline {
         except: &[&str],
         limit: Duration,
     ) -> Result<(Instant, &'static str, u64), CliError> {
-        let deadline = Instant::now() + limit;
+        let deadline = later(limit);
         loop {
             let batch = self.batch(deadline).ok_or_else(|| {
                 CliError::new(exit::SOFTWARE, "demo: no new leader in time (a bug?)")
@@ -195,13 +195,21 @@ impl Timeline {
 
     /// Prints whatever arrives for `for_`.
     fn drain(&self, for_: Duration) {
-        let deadline = Instant::now() + for_;
+        let deadline = later(for_);
         while let Some(batch) = self.batch(deadline) {
             for (at, who, ev) in &batch {
                 self.print(*at, who, ev);
             }
         }
     }
+}
+
+/// `now + d`, or a day from now when that does not fit (never a panic).
+fn later(d: Duration) -> Instant {
+    let now = Instant::now();
+    now.checked_add(d)
+        .or_else(|| now.checked_add(Duration::from_secs(86_400)))
+        .unwrap_or(now)
 }
 
 fn ms(d: Duration) -> String {
@@ -239,13 +247,15 @@ pub(crate) fn demo(args: DemoArgs) -> Result<u8, CliError> {
         candidates.push(start(name, store.clone(), config, tx.clone())?);
     }
     drop(tx);
-    let limit = lease * 10 + Duration::from_secs(5);
+    let limit = lease
+        .saturating_mul(10)
+        .saturating_add(Duration::from_secs(5));
 
     crate::exit::outln!("-- 1. election");
     let (t1, first, _) = tl.until_leader(&[], limit)?;
     crate::exit::outln!(
         "         first leader after {} (a new lease waits one lease duration of absence)\n",
-        ms(t1 - tl.start)
+        ms(t1.saturating_duration_since(tl.start))
     );
     tl.drain(lease / 2);
 
@@ -254,7 +264,7 @@ pub(crate) fn demo(args: DemoArgs) -> Result<u8, CliError> {
     tl.line(asked, first, "shutting down (ordered release)");
     send(&candidates, first, Cmd::Shutdown);
     let (t2, second, _) = tl.until_leader(&[first], limit)?;
-    let handover = t2 - asked;
+    let handover = t2.saturating_duration_since(asked);
     crate::exit::outln!("         handover latency: {}\n", ms(handover));
     tl.drain(lease / 2);
 
@@ -263,7 +273,7 @@ pub(crate) fn demo(args: DemoArgs) -> Result<u8, CliError> {
     tl.line(crashed, second, "CRASHED");
     send(&candidates, second, Cmd::Crash);
     let (t3, third, _) = tl.until_leader(&[first, second], limit)?;
-    let failover = t3 - crashed;
+    let failover = t3.saturating_duration_since(crashed);
     crate::exit::outln!(
         "         failover latency: {} (bounded by the lease duration, {}, after the last renewal)\n",
         ms(failover),

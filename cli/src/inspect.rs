@@ -81,13 +81,14 @@ fn rfc3339(t: Option<SystemTime>) -> Option<String> {
     jiff::Timestamp::try_from(t).ok().map(|ts| ts.to_string())
 }
 
-/// Whether the record looks expired from its timestamps (see the help text).
+/// Whether the record looks expired from its timestamps (see the help text). A lease duration
+/// that reaches past the end of time (a record written by another tool) never looks expired.
 fn looks_expired(r: &LeaseRecord, now: SystemTime) -> bool {
     if r.is_vacant() {
         return false;
     }
     match r.renew_time.or(r.acquire_time) {
-        Some(t) => t + r.lease_duration < now,
+        Some(t) => t.checked_add(r.lease_duration).is_some_and(|end| end < now),
         None => true,
     }
 }
@@ -509,6 +510,11 @@ mod tests {
         ));
         assert!(!looks_expired(
             &rec("", Duration::from_secs(20), Duration::from_secs(15)),
+            now
+        ));
+        // A duration past the end of time (written by another tool): held, never a panic.
+        assert!(!looks_expired(
+            &rec("a", Duration::from_secs(20), Duration::from_secs(u64::MAX)),
             now
         ));
     }

@@ -83,13 +83,9 @@ enum Commands {
     /// A live demo: three candidates on an in-process store, a handover and a crash failover.
     #[command(long_about = demo::LONG_ABOUT)]
     Demo(DemoArgs),
-    /// (internal) Arms the parent-death signal and execs the command; used by `run`.
+    /// (internal) The command's supervisor (see `child`); used by `run`.
     #[command(name = "__exec", hide = true)]
-    Exec {
-        /// The command and its arguments.
-        #[arg(trailing_var_arg = true, allow_hyphen_values = true, required = true)]
-        cmd: Vec<OsString>,
-    },
+    Exec(ExecArgs),
 }
 
 /// Where the lease lives.
@@ -173,6 +169,37 @@ struct RunArgs {
     cmd: Vec<OsString>,
 }
 
+/// Arguments of the hidden `leasehold __exec` (see `child`).
+#[derive(Args, Debug)]
+struct ExecArgs {
+    /// The pid of the `leasehold` that starts it.
+    #[arg(long)]
+    parent: i32,
+    /// `leasehold`'s fds of the control pipe's read end and the report pipe's write end.
+    #[arg(long, value_name = "R,W", value_parser = fd_pair)]
+    pipes: Option<(i32, i32)>,
+    /// The term's deadline, CLOCK_MONOTONIC nanoseconds.
+    #[arg(long)]
+    deadline_ns: Option<u64>,
+    /// --grace in nanoseconds.
+    #[arg(long)]
+    grace_ns: u64,
+    /// The lost-term grace in nanoseconds.
+    #[arg(long)]
+    lost_grace_ns: u64,
+    /// The command and its arguments.
+    #[arg(last = true, required = true, allow_hyphen_values = true)]
+    cmd: Vec<OsString>,
+}
+
+fn fd_pair(s: &str) -> Result<(i32, i32), String> {
+    let (a, b) = s.split_once(',').ok_or("expected R,W")?;
+    Ok((
+        a.parse().map_err(|e| format!("{e}"))?,
+        b.parse().map_err(|e| format!("{e}"))?,
+    ))
+}
+
 /// Arguments of `leasehold status`.
 #[derive(Args, Debug)]
 #[command(group(clap::ArgGroup::new("which").required(true).args(["lease", "prefix"])))]
@@ -246,13 +273,19 @@ fn main() -> ExitCode {
             return ExitCode::from(code);
         }
     };
-    // The shim must do nothing else before exec: no runtime, no logging.
-    if let Commands::Exec { cmd } = &cli.command {
-        return ExitCode::from(child::shim(cmd));
+    // The shim: no logging, its own small runtime.
+    if let Commands::Exec(a) = cli.command {
+        return ExitCode::from(child::shim(child::ShimArgs {
+            parent: a.parent,
+            pipes: a.pipes,
+            deadline: a.deadline_ns,
+            grace: Duration::from_nanos(a.grace_ns),
+            lost_grace: Duration::from_nanos(a.lost_grace_ns),
+            cmd: a.cmd,
+        }));
     }
     init_logging();
-    // One current-thread runtime on the main thread: the command is spawned from the main
-    // thread, which lives as long as the process (see `child` on the parent-death signal).
+    // One current-thread runtime on the main thread.
     let runtime = match tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
@@ -269,7 +302,7 @@ fn main() -> ExitCode {
         Commands::Watch(args) => runtime.block_on(inspect::watch(args)),
         Commands::Release(args) => runtime.block_on(inspect::release(args)),
         Commands::Demo(args) => demo::demo(args),
-        Commands::Exec { .. } => Ok(0),
+        Commands::Exec(_) => Ok(0),
     };
     // Do not wait for stray background tasks (a watch, a connection) at exit.
     runtime.shutdown_background();

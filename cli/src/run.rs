@@ -27,19 +27,24 @@ When leadership ends, the command is stopped before anything else: SIGTERM to it
 group, SIGKILL after --grace, and leasehold waits for it. Leadership ends when
   - the lease is lost (another holder took it, or no renewal landed within --renew-deadline).
     The command is signalled as soon as the term's deadline passes by the monotonic clock, even
-    if leasehold itself was paused (SIGSTOP, a VM stall) and has not yet heard of the loss. The
-    grace is then at most --lease-duration minus --renew-deadline, the time before another
-    candidate may take over;
+    if leasehold itself is paused (SIGSTOP, a VM stall): its supervisor (below) holds the
+    deadline. The grace is then at most --lease-duration minus --renew-deadline, the time
+    before another candidate may take over, also when the term is lost during the grace of an
+    ordered stop;
   - leasehold gets SIGTERM, SIGINT or SIGHUP: it stops the command while it still renews the
     lease, and only then releases it (ordered release), so the next holder starts right after.
 When the command exits by itself, leasehold releases the lease and exits with the command's
 exit code (128+N if a signal N killed it), or with --restart releases it and campaigns again.
+What the command left in its process group gets SIGTERM, and SIGKILL after --grace.
 
-If leasehold itself dies (SIGKILL, OOM kill), its command gets SIGKILL at once on Linux and
-FreeBSD (parent-death signal), so it never runs beside the next holder's. Processes the command
-started in other process groups, or that outlive it, are not covered; on other platforms there
-is no parent-death signal. The command runs in a background process group: it must not read
-from the terminal (that stops it with SIGTTIN); give it its input through a pipe or a file.";
+The command runs under a small supervisor process, `leasehold __exec`, that is neither killed
+nor paused with leasehold. If leasehold dies (SIGKILL, OOM kill), the supervisor SIGKILLs the
+command's whole process group at once, so nothing of it runs beside the next holder's command.
+If leasehold is paused, the supervisor stops the command's group at the term's deadline.
+Processes the command started in other process groups are not covered. On platforms other
+than Linux the supervisor has no deadline, and it checks every 20 ms whether leasehold died.
+The command runs in a background process group: it must not read from the terminal (that
+stops it with SIGTTIN); give it its input through a pipe or a file.";
 
 pub(crate) const EXAMPLES: &str = "\
 Examples:
@@ -84,10 +89,10 @@ pub(crate) async fn run(args: RunArgs) -> Result<u8, CliError> {
         .with_timings(args.lease_duration, args.renew_deadline, args.retry_period)
         // The command is stopped (SIGTERM, --grace, SIGKILL) before the release: give the
         // drain that long and a little more.
-        .with_drain_timeout(args.grace + Duration::from_secs(5));
+        .with_drain_timeout(args.grace.saturating_add(Duration::from_secs(5)));
     config.validate().map_err(|e| {
         CliError::usage(format!(
-            "{e} (--lease-duration, --renew-deadline, --retry-period)"
+            "{e} (--lease-duration, --renew-deadline, --retry-period, --grace)"
         ))
     })?;
     if args.grace.is_zero() {
@@ -140,9 +145,13 @@ pub(crate) async fn run(args: RunArgs) -> Result<u8, CliError> {
         fatal: RefCell::new(None),
     };
     let parent = CancellationToken::new();
+    // After a lost term the command must be gone before another candidate may take over
+    // (lease − renew deadline after the deadline); a tenth of that, at most 1 s, is left for
+    // the scheduling of the processes that kill it.
+    let slack = args.lease_duration.saturating_sub(args.renew_deadline);
     let lost_grace = args
         .grace
-        .min(args.lease_duration.saturating_sub(args.renew_deadline))
+        .min(slack.saturating_sub((slack / 10).min(Duration::from_secs(1))))
         .max(Duration::from_millis(1));
     let ctx = TaskCtx {
         args: &args,
@@ -338,8 +347,13 @@ impl TaskCtx<'_> {
             identity: self.identity,
             fencing_token: token,
         };
-        // Spawned right here: on the main thread (see `child`).
-        let mut proc = match child::spawn(&self.args.cmd, &env) {
+        let timing = child::Timing {
+            grace: self.args.grace,
+            lost_grace: self.lost_grace,
+            feed_every: (self.args.retry_period / 4)
+                .clamp(Duration::from_millis(5), Duration::from_millis(100)),
+        };
+        let mut proc = match child::spawn(&self.args.cmd, &env, &leader, &timing) {
             Ok(p) => p,
             Err(e) => {
                 *self.state.outcome.borrow_mut() = Some(Outcome::SpawnFailed(CliError::new(
@@ -350,10 +364,6 @@ impl TaskCtx<'_> {
                 return;
             }
         };
-        let Some(pgid) = child::group_of(&proc) else {
-            // Already reaped: cannot happen before we wait; treat as exited.
-            return;
-        };
         http::command_running(self.key, true);
         let outcome = tokio::select! {
             biased;
@@ -362,27 +372,39 @@ impl TaskCtx<'_> {
                 let lost = cause == Some(StopCause::LeaseLost);
                 let grace = if lost { self.lost_grace } else { self.args.grace };
                 say(format!(
-                    "{}; stopping the command: SIGTERM to process group {}, SIGKILL after {}",
+                    "{}; stopping the command: SIGTERM to {}, SIGKILL after {}",
                     match cause {
                         Some(StopCause::LeaseLost) => "leadership ended: the lease was lost",
                         Some(StopCause::SteppedDown) => "leadership ended: stepping down",
                         _ => "leasehold is stopping",
                     },
-                    pgid.as_raw_nonzero(),
+                    group_words(&proc),
                     humantime::format_duration(grace)
                 ));
-                let status = child::stop(&mut proc, pgid, grace).await;
+                let status = proc.stop(grace, lost, &leader).await;
                 say(format!("the command {}", exit::describe_status(status)));
-                if lost { Outcome::Lost(status) } else { Outcome::Stopped(status) }
+                if lost || proc.expired() {
+                    if !lost {
+                        say("the term's deadline passed while the command stopped: it got the lost-term grace");
+                    }
+                    Outcome::Lost(status)
+                } else {
+                    Outcome::Stopped(status)
+                }
             }
-            status = proc.wait() => {
-                let status = match status {
-                    Ok(s) => s,
-                    Err(_) => child::stop(&mut proc, pgid, self.args.grace).await,
-                };
-                child::reap_rest(pgid, self.args.grace).await;
-                say(format!("the command {}", exit::describe_status(status)));
-                Outcome::Exited(status)
+            status = proc.wait(&leader) => {
+                if proc.expired() {
+                    say(format!(
+                        "the term's deadline passed: the command was stopped (SIGTERM, SIGKILL \
+                         after {}) and {}",
+                        humantime::format_duration(self.lost_grace),
+                        exit::describe_status(status)
+                    ));
+                    Outcome::Lost(status)
+                } else {
+                    say(format!("the command {}", exit::describe_status(status)));
+                    Outcome::Exited(status)
+                }
             }
         };
         http::command_running(self.key, false);
@@ -410,6 +432,14 @@ impl TaskCtx<'_> {
                 let _ = elector.yield_for(pause).await;
             });
         }
+    }
+}
+
+/// "process group N", or "its process group" before the shim reported it.
+fn group_words(proc: &child::Supervised) -> String {
+    match proc.group() {
+        Some(g) => format!("process group {}", g.as_raw_nonzero()),
+        None => "the command's process group".to_owned(),
     }
 }
 

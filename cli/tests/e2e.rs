@@ -198,8 +198,9 @@ fn run_restarts_the_command_with_restart() {
     );
 }
 
-/// The leading leasehold and its child are SIGSTOPped past the lease; after SIGCONT the old
-/// child gets SIGTERM (measured with CLOCK_MONOTONIC), and leasehold exits with 75.
+/// The leading leasehold and its child are SIGSTOPped past the lease: the shim's watchdog
+/// (not paused) kills the stopped child before another child starts; after SIGCONT leasehold
+/// exits with 75.
 fn pause_scenario(store: &str, label: &str) {
     let dir = tempfile::tempdir().unwrap();
     let log = dir.path().join("children.log");
@@ -214,52 +215,124 @@ fn pause_scenario(store: &str, label: &str) {
     let stopped_at = mono_ns();
     kill(runners[i1].pid(), Signal::STOP);
     kill(pid1, Signal::STOP);
+    let mut gone_at = None;
+    let (_, tok2, started2, _) =
+        wait_until("the other child, after the lease expired", LIMIT, || {
+            let next = starts(&log).get(1).cloned();
+            if gone_at.is_none() && process_gone(pid1) {
+                gone_at = Some(mono_ns());
+            }
+            next
+        });
+    assert!(tok2 > tok1);
+    assert!(
+        process_gone(pid1),
+        "the paused leader's stopped child must be dead once another child has started"
+    );
+    kill(runners[i1].pid(), Signal::CONT);
+    let status = runners[i1].wait(LIMIT);
+    let err = runners[i1].stderr_text();
+    assert_eq!(
+        status.code(),
+        Some(75),
+        "a lost lease exits with 75; stderr:\n{err}"
+    );
+    assert!(
+        err.contains("deadline passed") || err.contains("the lease was lost"),
+        "{err}"
+    );
+    println!(
+        "[{label}] SIGSTOP of the leader (leasehold and child): the stopped child was seen gone \
+         {:.0} ms after the stop (polled every 1 ms; lease 2 s, renew deadline 1.5 s), the \
+         other child started {:.0} ms after the stop",
+        gone_at.map_or(f64::NAN, |g| ms(stopped_at, g)),
+        ms(stopped_at, started2),
+    );
+    drop(runners);
+}
+
+/// Only the leading `leasehold` is SIGSTOPped (its command runs on, writing every 5 ms): the
+/// shim's watchdog stops the command when the term's deadline passes, so the command writes
+/// nothing after another holder's command started, and is gone by then. After SIGCONT
+/// leasehold exits with 75.
+fn pause_leasehold_alone_scenario(store: &str, label: &str) {
+    let dir = tempfile::tempdir().unwrap();
+    let log = dir.path().join("children.log");
+    let lease = "e2e-pause-alone";
+    let env = [("LEASEHOLD_TEST_TICK_MS", "5")];
+    let mut runners: Vec<Runner> = ["s", "t"]
+        .iter()
+        .map(|id| start_runner_env(dir.path(), store, lease, id, &[], &env))
+        .collect();
+    let (id1, tok1, _, pid1) =
+        wait_until("the first child", LIMIT, || starts(&log).first().cloned());
+    let i1 = runners.iter().position(|r| r.id == id1).unwrap();
+    let stopped_at = mono_ns();
+    kill(runners[i1].pid(), Signal::STOP);
     let (_, tok2, started2, _) =
         wait_until("the other child, after the lease expired", LIMIT, || {
             starts(&log).get(1).cloned()
         });
     assert!(tok2 > tok1);
-    std::thread::sleep(Duration::from_millis(200));
-    let resumed_at = mono_ns();
-    kill(pid1, Signal::CONT);
+    assert!(
+        process_gone(pid1),
+        "the paused leasehold's command must be dead once another child has started"
+    );
+    let recs = read_log(&log);
+    let last1 = recs
+        .iter()
+        .filter(|r| r.token() == tok1)
+        .map(Rec::at)
+        .max()
+        .unwrap();
+    assert!(
+        last1 < started2,
+        "the old command wrote after the next holder's command started: {recs:#?}"
+    );
+    let ticks1 = recs
+        .iter()
+        .filter(|r| matches!(r, Rec::Tick { token, .. } if *token == tok1))
+        .count();
+    assert!(ticks1 > 0, "the old command ran and wrote: {recs:#?}");
     kill(runners[i1].pid(), Signal::CONT);
-    let term_at = wait_until("the old child to get SIGTERM after resume", LIMIT, || {
-        read_log(&log).into_iter().find_map(|r| match r {
-            Rec::Term { token, at, .. } if token == tok1 => Some(at),
-            _ => None,
-        })
-    });
     let status = runners[i1].wait(LIMIT);
+    let err = runners[i1].stderr_text();
     assert_eq!(
         status.code(),
         Some(75),
-        "a lost lease exits with 75; stderr:\n{}",
-        runners[i1].stderr_text()
-    );
-    assert!(
-        runners[i1].stderr_text().contains("the lease was lost"),
-        "{}",
-        runners[i1].stderr_text()
+        "a lost lease exits with 75; stderr:\n{err}"
     );
     println!(
-        "[{label}] SIGSTOP of the leader (leasehold and child) for {:.0} ms; the other child \
-         started {:.0} ms after the stop; after SIGCONT the old child got SIGTERM within \
-         {:.2} ms (CLOCK_MONOTONIC)",
-        ms(stopped_at, resumed_at),
-        ms(stopped_at, started2),
-        ms(resumed_at, term_at)
+        "[{label}] SIGSTOP of the leader's leasehold alone: its command's last write was \
+         {:.0} ms after the stop and {:.0} ms before the other child started (lease 2 s, \
+         renew deadline 1.5 s; CLOCK_MONOTONIC stamps)",
+        ms(stopped_at, last1),
+        ms(last1, started2),
     );
     drop(runners);
 }
 
 #[test]
-fn run_stops_a_resumed_child_on_redis() {
+fn run_stops_the_command_of_a_paused_leasehold_on_redis() {
+    let server = redis_common::Server::start();
+    pause_leasehold_alone_scenario(&server.url(), "redis");
+}
+
+#[test]
+fn run_stops_the_command_of_a_paused_leasehold_on_etcd() {
+    let rt = runtime();
+    let etcd = rt.block_on(etcd_common::Etcd::start());
+    pause_leasehold_alone_scenario(&etcd_url(&etcd), "etcd");
+}
+
+#[test]
+fn run_kills_the_stopped_child_of_a_paused_leader_on_redis() {
     let server = redis_common::Server::start();
     pause_scenario(&server.url(), "redis");
 }
 
 #[test]
-fn run_stops_a_resumed_child_on_etcd() {
+fn run_kills_the_stopped_child_of_a_paused_leader_on_etcd() {
     let rt = runtime();
     let etcd = rt.block_on(etcd_common::Etcd::start());
     pause_scenario(&etcd_url(&etcd), "etcd");
@@ -348,7 +421,7 @@ fn help_documents_exit_codes_and_url_forms() {
         "LEASEHOLD_FENCING_TOKEN",
         "SIGTERM",
         "--grace",
-        "parent-death",
+        "supervisor",
     ] {
         assert!(out.contains(s), "{s}: {out}");
     }
@@ -786,4 +859,476 @@ fn tls_flags_and_passwords_on_rediss() {
     );
     let (code, _, err) = status("redis://127.0.0.1:1", &tls, &[]);
     assert_eq!(code, 64, "TLS flags need a TLS URL: {err}");
+}
+
+/// A record written by another tool with the largest lease duration the format holds
+/// (`leaseDurationSeconds: 18446744073709551615`): `status` (table and JSON) and `watch` show
+/// it and exit 0 instead of panicking on the time arithmetic.
+#[test]
+fn status_and_watch_show_a_huge_lease_duration() {
+    let server = redis_common::Server::start();
+    let url = server.url();
+    let lease = "e2e-huge";
+    let rt = runtime();
+    let data = format!(
+        "{{\"holderIdentity\":\"other-tool\",\"leaseDurationSeconds\":{},\
+         \"acquireTime\":\"2026-11-29T20:04:19.123456Z\",\
+         \"renewTime\":\"2026-11-29T20:04:21.123456Z\",\"leaderTransitions\":4}}",
+        u64::MAX
+    );
+    rt.block_on(redis_common::raw_cmd(
+        &url,
+        redis::cmd("HSET")
+            .arg(format!("{{leasehold:}}rec:{lease}"))
+            .arg("v")
+            .arg("1")
+            .arg("d")
+            .arg(&data),
+    ));
+    let (code, out, err) = leasehold(
+        &["status", "--store", &url, "--lease", lease, "--json"],
+        &[],
+    );
+    assert_eq!(code, 0, "status --json: {err}");
+    let j = &json_lines(&out)[0];
+    assert_eq!(j["holder"], "other-tool", "{j}");
+    assert_eq!(j["fencing_token"], 4, "{j}");
+    assert_eq!(j["lease_duration_seconds"], u64::MAX as f64, "{j}");
+    assert_eq!(j["looks_expired"], false, "{j}");
+    let (code, out, err) = leasehold(&["status", "--store", &url, "--lease", lease], &[]);
+    assert_eq!(code, 0, "status: {err}");
+    assert!(out.contains("other-tool") && out.contains("held"), "{out}");
+    for json in [true, false] {
+        let mut args = vec!["watch", "--store", url.as_str(), "--lease", lease];
+        if json {
+            args.push("--json");
+        }
+        let mut watch = KillOnDrop(
+            Command::new(leasehold_bin())
+                .args(&args)
+                .stdin(std::process::Stdio::null())
+                .stdout(std::process::Stdio::piped())
+                .stderr(std::process::Stdio::piped())
+                .spawn()
+                .unwrap(),
+        );
+        let mut first = String::new();
+        std::io::BufRead::read_line(
+            &mut std::io::BufReader::new(watch.0.stdout.take().unwrap()),
+            &mut first,
+        )
+        .unwrap();
+        assert!(
+            first.contains("other-tool"),
+            "watch (json: {json}): {first:?}"
+        );
+        kill(watch.0.id(), Signal::TERM);
+        let status = watch.0.wait().unwrap();
+        assert_eq!(status.code(), Some(0), "watch (json: {json}) ends cleanly");
+    }
+}
+
+/// `leasehold run` SIGKILLed while its command, a shell script, waits for a grandchild in the
+/// same process group (a shell that ignores SIGTERM, running a foreground `sleep`, then writing
+/// a file): the whole group dies with `leasehold`, so the grandchild never writes. The term's deadline (15 s) is
+/// far beyond the grandchild's write (2 s): it is the death of `leasehold` that kills the
+/// group, not the watchdog.
+#[test]
+fn run_killed_takes_the_commands_whole_group_with_it() {
+    let server = redis_common::Server::start();
+    let rt = runtime();
+    let store = rt
+        .block_on(leasehold_redis::RedisStore::connect(
+            leasehold_redis::RedisConfig::new(server.url()).unwrap(),
+        ))
+        .unwrap();
+    // A vacant record: taken at once (an absent one waits a lease duration).
+    let vacant = leasehold::LeaseRecord {
+        holder_identity: String::new(),
+        ..record("", 1)
+    };
+    rt.block_on(leasehold::LeaseStore::create(
+        &store,
+        &leasehold::LeaseKey::new("e2e-group").unwrap(),
+        &vacant,
+    ))
+    .unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let script = d.join("report.sh");
+    std::fs::write(
+        &script,
+        "#!/bin/sh\n\
+         echo $$ > \"$1/top.pid\"\n\
+         sh -c 'trap \"\" TERM; echo $$ > \"$1/grand.pid.tmp\"; mv \"$1/grand.pid.tmp\" \"$1/grand.pid\"; \
+         sleep 2; echo late >> \"$1/written\"' grandchild \"$1\"\n\
+         echo done >> \"$1/written\"\n",
+    )
+    .unwrap();
+    let stderr = d.join("leasehold.stderr");
+    let mut run = KillOnDrop(
+        Command::new(leasehold_bin())
+            .args(["run", "--store", &server.url(), "--lease", "e2e-group"])
+            .args(["--identity", "g"])
+            .args(["--lease-duration", "20s", "--renew-deadline", "15s"])
+            .args(["--retry-period", "1s"])
+            .arg("--")
+            .arg("sh")
+            .arg(&script)
+            .arg(d)
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::null())
+            .stderr(std::fs::File::create(&stderr).unwrap())
+            .spawn()
+            .unwrap(),
+    );
+    let pid_in = |name: &str| -> Option<u32> {
+        std::fs::read_to_string(d.join(name))
+            .ok()
+            .and_then(|p| p.trim().parse().ok())
+    };
+    let (top, grand) = wait_until("the script and its grandchild", LIMIT, || {
+        Some((pid_in("top.pid")?, pid_in("grand.pid")?))
+    });
+    let killed_at = mono_ns();
+    kill(run.0.id(), Signal::KILL);
+    let _ = run.0.wait();
+    // Bounded: without the group kill the grandchild lives on for its 2 s and writes.
+    let gone_at = wait_until("the script and its grandchild to be gone", LIMIT, || {
+        (process_gone(top) && process_gone(grand)).then(mono_ns)
+    });
+    assert!(
+        !d.join("written").exists(),
+        "a process of the killed leasehold's command wrote after the SIGKILL: {:?}; stderr:\n{}",
+        std::fs::read_to_string(d.join("written")),
+        std::fs::read_to_string(&stderr).unwrap_or_default()
+    );
+    println!(
+        "SIGKILL of leasehold: its command's script and grandchild were gone {:.1} ms after \
+         (polled every 1 ms)",
+        ms(killed_at, gone_at)
+    );
+}
+
+/// A TCP proxy the test can cut: every connection through it is shut down, and new ones are
+/// closed at once.
+struct Proxy {
+    port: u16,
+    cut: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    conns: std::sync::Arc<std::sync::Mutex<Vec<std::net::TcpStream>>>,
+}
+
+impl Proxy {
+    fn start(upstream_port: u16) -> Proxy {
+        use std::sync::atomic::Ordering;
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let cut = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let conns = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let (cut2, conns2) = (cut.clone(), conns.clone());
+        std::thread::spawn(move || {
+            for client in listener.incoming() {
+                let Ok(client) = client else { continue };
+                if cut2.load(Ordering::SeqCst) {
+                    let _ = client.shutdown(std::net::Shutdown::Both);
+                    continue;
+                }
+                let Ok(server) = std::net::TcpStream::connect(("127.0.0.1", upstream_port)) else {
+                    continue;
+                };
+                let mut list = conns2.lock().unwrap();
+                list.push(client.try_clone().unwrap());
+                list.push(server.try_clone().unwrap());
+                drop(list);
+                for (mut from, mut to) in [
+                    (client.try_clone().unwrap(), server.try_clone().unwrap()),
+                    (server, client),
+                ] {
+                    std::thread::spawn(move || {
+                        let _ = std::io::copy(&mut from, &mut to);
+                        let _ = to.shutdown(std::net::Shutdown::Both);
+                    });
+                }
+            }
+        });
+        Proxy { port, cut, conns }
+    }
+
+    fn cut(&self) {
+        self.cut.store(true, std::sync::atomic::Ordering::SeqCst);
+        for c in self.conns.lock().unwrap().iter() {
+            let _ = c.shutdown(std::net::Shutdown::Both);
+        }
+    }
+}
+
+/// An ordered stop whose grace outlives the term: lease 2 s, renew deadline 1.5 s,
+/// `--grace 20s`, a command that ignores SIGTERM, and the leader's connection to the store cut
+/// right after its SIGTERM. The term's deadline passes during the grace, and the command is
+/// killed within the lost-term grace (lease − renew deadline) of it: it is dead, and wrote
+/// nothing, before the next holder's command starts.
+#[test]
+fn run_stop_grace_ends_with_the_term() {
+    let server = redis_common::Server::start();
+    let proxy = Proxy::start(server.port);
+    let dir = tempfile::tempdir().unwrap();
+    let log = dir.path().join("children.log");
+    let lease = "e2e-stop-grace";
+    let env = [
+        ("LEASEHOLD_TEST_TICK_MS", "5"),
+        ("LEASEHOLD_TEST_IGNORE_TERM", "1"),
+    ];
+    let through_proxy = format!("redis://127.0.0.1:{}", proxy.port);
+    let mut leader = start_runner_env(
+        dir.path(),
+        &through_proxy,
+        lease,
+        "old",
+        &["--grace", "20s"],
+        &env,
+    );
+    let (_, tok1, _, pid1) = wait_until("the first child", LIMIT, || starts(&log).first().cloned());
+    let _next = start_runner_env(dir.path(), &server.url(), lease, "new", &[], &env);
+    // Renewals move the term's deadline in the shim: the leader's command runs on past twice
+    // the renew deadline (and the follower sees the renewals).
+    std::thread::sleep(Duration::from_secs(3));
+    assert!(
+        !process_gone(pid1) && !read_log(&log).iter().any(|r| matches!(r, Rec::Term { .. })),
+        "a renewing leader's command must run on; leasehold:\n{}",
+        leader.stderr_text()
+    );
+    let term_at = mono_ns();
+    kill(leader.pid(), Signal::TERM);
+    wait_until("the old child to get SIGTERM", LIMIT, || {
+        read_log(&log)
+            .iter()
+            .any(|r| matches!(r, Rec::Term { token, .. } if *token == tok1))
+            .then_some(())
+    });
+    proxy.cut();
+    let cut_at = mono_ns();
+    let (_, tok2, started2, _) = wait_until("the next holder's child", LIMIT, || {
+        starts(&log).get(1).cloned()
+    });
+    assert!(tok2 > tok1);
+    assert!(
+        process_gone(pid1),
+        "the old command must be dead once the next holder's command started; old leasehold:\n{}",
+        leader.stderr_text()
+    );
+    let recs = read_log(&log);
+    let last1 = recs
+        .iter()
+        .filter(|r| r.token() == tok1)
+        .map(Rec::at)
+        .max()
+        .unwrap();
+    assert!(
+        last1 < started2,
+        "the old command wrote after the next holder's command started: {recs:#?}"
+    );
+    let status = leader.wait(LIMIT);
+    let err = leader.stderr_text();
+    assert_eq!(
+        status.code(),
+        Some(75),
+        "the term was lost during the stop:\n{err}"
+    );
+    println!(
+        "stop grace 20 s with the store cut {:.0} ms after the SIGTERM: the old command's last \
+         write was {:.0} ms after the cut, {:.0} ms before the next holder's command started \
+         (lease 2 s, renew deadline 1.5 s)",
+        ms(term_at, cut_at),
+        ms(cut_at, last1),
+        ms(last1, started2)
+    );
+}
+
+/// The command's exit status reaches `leasehold`'s exit code through the shim: its code, 128+N
+/// when signal N killed it, 127 when it does not exist.
+#[test]
+fn run_exits_with_the_commands_status() {
+    let server = redis_common::Server::start();
+    let url = server.url();
+    for (i, (cmd, code)) in [
+        (&["sh", "-c", "exit 7"][..], 7),
+        (&["sh", "-c", "kill -USR1 $$"][..], 128 + 10),
+        (&["/nonexistent/leasehold-test-command"][..], 127),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let lease = format!("e2e-status-{i}");
+        let mut args = vec!["run", "--store", url.as_str(), "--lease", lease.as_str()];
+        args.extend(TIMINGS);
+        args.push("--");
+        args.extend(cmd);
+        let (got, _, err) = leasehold(&args, &[]);
+        assert_eq!(got, code, "{cmd:?}: {err}");
+        if code == 128 + 10 {
+            assert!(err.contains("killed by signal 10"), "{err}");
+        }
+    }
+}
+
+/// A command that exits (code 3) leaving a grandchild in its process group that ignores
+/// SIGTERM and would write a file after 2 s: the rest of the group gets SIGTERM, then SIGKILL
+/// after `--grace` (200 ms), before `leasehold` exits with the command's code.
+#[test]
+fn run_reaps_what_the_command_left_in_its_group() {
+    let server = redis_common::Server::start();
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path().to_str().unwrap().to_owned();
+    let script = "sh -c 'trap \"\" TERM; echo $$ > \"$0/grand.pid\"; sleep 2; \
+                  echo late > \"$0/written\"' \"$0\" &\n\
+                  while [ ! -s \"$0/grand.pid\" ]; do sleep 0.01; done; exit 3";
+    let url = server.url();
+    let mut args = vec![
+        "run",
+        "--store",
+        url.as_str(),
+        "--lease",
+        "e2e-reap",
+        "--grace",
+        "200ms",
+    ];
+    args.extend(TIMINGS);
+    args.extend(["--", "sh", "-c", script, d.as_str()]);
+    let (code, _, err) = leasehold(&args, &[]);
+    assert_eq!(code, 3, "{err}");
+    let grand: u32 = std::fs::read_to_string(dir.path().join("grand.pid"))
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    assert!(
+        process_gone(grand),
+        "the grandchild outlived leasehold: {err}"
+    );
+    assert!(!dir.path().join("written").exists(), "{err}");
+}
+
+/// An ordered stop while the store answers: renewals keep moving the term's deadline in the
+/// supervisor, so a command that ignores SIGTERM gets the whole `--grace` (3 s, longer than
+/// the renew deadline plus the lost-term grace) before its SIGKILL, and `leasehold` exits with
+/// 137.
+#[test]
+fn run_ordered_stop_keeps_the_whole_grace_while_renewing() {
+    let server = redis_common::Server::start();
+    let dir = tempfile::tempdir().unwrap();
+    let log = dir.path().join("children.log");
+    let env = [
+        ("LEASEHOLD_TEST_TICK_MS", "5"),
+        ("LEASEHOLD_TEST_IGNORE_TERM", "1"),
+    ];
+    let mut runner = start_runner_env(
+        dir.path(),
+        &server.url(),
+        "e2e-whole-grace",
+        "w",
+        &["--grace", "3s"],
+        &env,
+    );
+    let (_, tok, _, _) = wait_until("the child", LIMIT, || starts(&log).first().cloned());
+    kill(runner.pid(), Signal::TERM);
+    let status = runner.wait(LIMIT);
+    assert_eq!(status.code(), Some(137), "{}", runner.stderr_text());
+    let recs = read_log(&log);
+    let term_at = recs
+        .iter()
+        .find_map(|r| match r {
+            Rec::Term { token, at, .. } if *token == tok => Some(*at),
+            _ => None,
+        })
+        .expect("the child got SIGTERM");
+    let last = recs.iter().map(Rec::at).max().unwrap();
+    // Lower bound only: a deadline not moved by the renewals during the stop would have ended
+    // the command at most 1.95 s after the SIGTERM.
+    assert!(
+        ms(term_at, last) >= 2500.0,
+        "the command was killed {:.0} ms after its SIGTERM, before its 3 s grace: {}",
+        ms(term_at, last),
+        runner.stderr_text()
+    );
+    println!(
+        "ordered stop, --grace 3s, SIGTERM ignored: the command's last write {:.0} ms after its \
+         SIGTERM",
+        ms(term_at, last)
+    );
+}
+
+/// The credentials-refused path: the leader's Redis user loses its permissions while its
+/// command (which ignores SIGTERM) runs with `--grace 20s`. `leasehold` starts the ordered stop
+/// at the refusal and exits with 77; renewals are refused, the term's deadline passes during the
+/// grace, and the command is dead, and wrote nothing, before the next holder's command starts.
+#[test]
+fn run_refused_stop_grace_ends_with_the_term() {
+    let server = redis_common::Server::start();
+    let rt = runtime();
+    rt.block_on(redis_common::raw_cmd(
+        &server.url(),
+        redis::cmd("ACL")
+            .arg("SETUSER")
+            .arg("old")
+            .arg("on")
+            .arg(">old-pw")
+            .arg("~*")
+            .arg("&*")
+            .arg("+@all"),
+    ));
+    let dir = tempfile::tempdir().unwrap();
+    let log = dir.path().join("children.log");
+    let lease = "e2e-refused-grace";
+    let env = [
+        ("LEASEHOLD_TEST_TICK_MS", "5"),
+        ("LEASEHOLD_TEST_IGNORE_TERM", "1"),
+    ];
+    let as_old = format!("redis://old:old-pw@127.0.0.1:{}", server.port);
+    let mut leader = start_runner_env(dir.path(), &as_old, lease, "old", &["--grace", "20s"], &env);
+    let (_, tok1, _, pid1) = wait_until("the first child", LIMIT, || starts(&log).first().cloned());
+    let _next = start_runner_env(dir.path(), &server.url(), lease, "new", &[], &env);
+    std::thread::sleep(Duration::from_millis(500));
+    let refused_at = mono_ns();
+    rt.block_on(redis_common::raw_cmd(
+        &server.url(),
+        redis::cmd("ACL").arg("SETUSER").arg("old").arg("-@all"),
+    ));
+    let (_, tok2, started2, _) = wait_until("the next holder's child", LIMIT, || {
+        starts(&log).get(1).cloned()
+    });
+    assert!(tok2 > tok1);
+    assert!(
+        process_gone(pid1),
+        "the old command must be dead once the next holder's command started; old leasehold:\n{}",
+        leader.stderr_text()
+    );
+    let recs = read_log(&log);
+    assert!(
+        recs.iter()
+            .any(|r| matches!(r, Rec::Term { token, .. } if *token == tok1)),
+        "the refusal started an ordered stop: {recs:#?}"
+    );
+    let last1 = recs
+        .iter()
+        .filter(|r| r.token() == tok1)
+        .map(Rec::at)
+        .max()
+        .unwrap();
+    assert!(
+        last1 < started2,
+        "the old command wrote after the next holder's command started: {recs:#?}"
+    );
+    let status = leader.wait(LIMIT);
+    let err = leader.stderr_text();
+    assert_eq!(
+        status.code(),
+        Some(77),
+        "refused credentials exit with 77:\n{err}"
+    );
+    println!(
+        "permissions revoked during the term, --grace 20s: the old command's last write was \
+         {:.0} ms after the revocation, {:.0} ms before the next holder's command started",
+        ms(refused_at, last1),
+        ms(last1, started2)
+    );
 }

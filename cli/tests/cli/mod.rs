@@ -12,8 +12,12 @@
 //! - `stop ID TOKEN MONO_NS CODE` right before it exits by itself or after SIGTERM.
 //!
 //! `MONO_NS` is `CLOCK_MONOTONIC` in nanoseconds, comparable with [`mono_ns`] in the test.
+//! - `tick ID TOKEN MONO_NS` every `LEASEHOLD_TEST_TICK_MS` milliseconds, when that is set: a
+//!   stand-in for the writes a real command makes while it runs.
+//!
 //! It exits by itself with code N once the file `exit-ID` in the log's directory holds N (and
-//! removes the file). After SIGTERM it takes 50 ms to stop, as real programs take a moment.
+//! removes the file). After SIGTERM it takes 50 ms to stop, as real programs take a moment;
+//! with `LEASEHOLD_TEST_IGNORE_TERM=1` it records the SIGTERM and runs on.
 #![allow(dead_code, clippy::unwrap_used, clippy::expect_used)]
 
 use std::io::Write;
@@ -61,6 +65,12 @@ pub fn child_main() {
         .and_then(|c| c.parse().ok())
         .unwrap_or(0);
     let exit_file = log.with_file_name(format!("exit-{id}"));
+    let tick = std::env::var("LEASEHOLD_TEST_TICK_MS")
+        .ok()
+        .and_then(|t| t.parse::<u64>().ok())
+        .map(Duration::from_millis);
+    let ignore_term = std::env::var_os("LEASEHOLD_TEST_IGNORE_TERM").is_some();
+    let mut last_tick = Instant::now();
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
@@ -79,12 +89,21 @@ pub fn child_main() {
             tokio::select! {
                 _ = term.recv() => {
                     append(&log, &format!("term {id} {token} {}", mono_ns()));
+                    if ignore_term {
+                        continue;
+                    }
                     // Take a moment to stop, as real programs do: a leasehold that released
                     // the lease before its child is gone would show as an overlap.
                     tokio::time::sleep(Duration::from_millis(50)).await;
                     return term_code;
                 }
-                () = tokio::time::sleep(Duration::from_millis(10)) => {
+                () = tokio::time::sleep(Duration::from_millis(2)) => {
+                    if let Some(every) = tick
+                        && last_tick.elapsed() >= every
+                    {
+                        last_tick = Instant::now();
+                        append(&log, &format!("tick {id} {token} {}", mono_ns()));
+                    }
                     // The test is over (its temp dir is gone): do not linger as an orphan.
                     if !log.parent().is_some_and(Path::exists) {
                         std::process::exit(0);
@@ -123,6 +142,33 @@ pub enum Rec {
         at: u64,
         code: i32,
     },
+    Tick {
+        id: String,
+        token: u64,
+        at: u64,
+    },
+}
+
+impl Rec {
+    /// The fencing token of the child that wrote it.
+    pub fn token(&self) -> u64 {
+        match self {
+            Rec::Start { token, .. }
+            | Rec::Term { token, .. }
+            | Rec::Stop { token, .. }
+            | Rec::Tick { token, .. } => *token,
+        }
+    }
+
+    /// When it was written (`CLOCK_MONOTONIC` ns).
+    pub fn at(&self) -> u64 {
+        match self {
+            Rec::Start { at, .. }
+            | Rec::Term { at, .. }
+            | Rec::Stop { at, .. }
+            | Rec::Tick { at, .. } => *at,
+        }
+    }
 }
 
 pub fn read_log(log: &Path) -> Vec<Rec> {
@@ -147,6 +193,11 @@ pub fn read_log(log: &Path) -> Vec<Rec> {
                     token: token.parse().ok()?,
                     at: at.parse().ok()?,
                     code: code.parse().ok()?,
+                }),
+                ["tick", id, token, at] => Some(Rec::Tick {
+                    id: (*id).into(),
+                    token: token.parse().ok()?,
+                    at: at.parse().ok()?,
                 }),
                 _ => None,
             }
@@ -316,7 +367,7 @@ pub fn assert_exclusive(log: &Path, killed: &[(u64, u64)]) {
                     running = None;
                 }
             }
-            Rec::Term { .. } => {}
+            Rec::Term { .. } | Rec::Tick { .. } => {}
         }
     }
 }
