@@ -360,6 +360,8 @@ enum Purpose {
         record: LeaseRecord,
         version: Version,
         sent: Instant,
+        /// The lease duration stored at `version` (another writer may have shortened it).
+        stored: Duration,
     },
     Renew {
         record: LeaseRecord,
@@ -660,7 +662,8 @@ impl Machine {
                 record,
                 version,
                 sent,
-            } => self.on_verify(now, sent, record, version, result),
+                stored,
+            } => self.on_verify(now, sent, record, version, stored, result),
             Purpose::Renew { record } => self.on_renew(now, record, result),
             Purpose::Release { record } => self.on_release(now, record, result),
         }
@@ -869,11 +872,9 @@ impl Machine {
             (None, _) => false,
         };
         if !same {
-            if self
-                .inflight
-                .as_ref()
-                .is_some_and(|f| matches!(*f.purpose, Purpose::Acquire { .. }))
-                && self.seen_during_acquire.len() < 64
+            if self.inflight.as_ref().is_some_and(|f| {
+                matches!(*f.purpose, Purpose::Acquire { .. } | Purpose::Verify { .. })
+            }) && self.seen_during_acquire.len() < 64
             {
                 self.seen_during_acquire.push(match &seen {
                     Seen::Absent => None,
@@ -1306,56 +1307,56 @@ impl Machine {
             .attempts
             .iter()
             .position(|a| a.renew_time == v.record.renew_time);
-        match matched {
+        let renewed = match matched {
             Some(i) => {
                 let sent = term.attempts[i].sent;
                 term.attempts.drain(..=i);
                 term.sent = term.sent.max(sent);
                 term.failures = 0;
                 term.next_renew = later(term.sent, retry).unwrap_or(term.sent);
-                term.record = v.record;
                 // The renewal wrote this elector's own duration: a cut observed before it was
                 // sent no longer binds.
                 if term.cut.is_some_and(|(seen, _)| sent >= seen) {
                     term.cut = None;
                 }
                 debug!("a renewal was confirmed by reading it back");
-                let valid_until = match self.term_ref() {
-                    Some(t) => self.valid_until(t),
-                    None => None,
-                };
-                if let Some(valid_until) = valid_until {
-                    self.out.push_back(Output::Renewed { valid_until });
-                }
+                true
             }
             None => {
                 // A change that is not one of our renewals but keeps our term: adopt the version.
                 debug!(version = %v.version, "adopting a change of our lease by another writer");
-                term.record = v.record;
-                if written < ld {
-                    // Followers that saw this write take over `written` after they saw it, and
-                    // it landed after our last confirmed write was sent: bound validity by that,
-                    // scaled by renew_deadline / lease_duration for the clock-rate margin.
-                    let bound = later(
-                        term.sent,
-                        written.mul_f64(rd.as_secs_f64() / ld.as_secs_f64()),
-                    )
-                    .unwrap_or(term.sent);
-                    let bound = term.cut.map_or(bound, |(_, c)| c.min(bound));
-                    term.cut = Some((now.instant, bound));
-                    warn!(
-                        lease_duration = ?written,
-                        own = ?ld,
-                        "another writer shortened the lease duration of our record; the term is valid only as long as followers will wait, and the next renewal writes our own duration again"
-                    );
-                    let valid_until = match self.term_ref() {
-                        Some(t) => self.valid_until(t),
-                        None => None,
-                    };
-                    if let Some(valid_until) = valid_until {
-                        self.out.push_back(Output::Shortened { valid_until });
-                    }
-                }
+                false
+            }
+        };
+        term.record = v.record;
+        // Another writer shortened the duration (of a renewal of ours, too: it landed, then was
+        // edited): followers that saw that write take over `written` after they saw it, and it
+        // landed after this term's last confirmed write was sent. Bound validity by that, scaled
+        // by renew_deadline / lease_duration for the clock-rate margin.
+        let shortened = written < ld;
+        if shortened {
+            let bound = later(
+                term.sent,
+                written.mul_f64(rd.as_secs_f64() / ld.as_secs_f64()),
+            )
+            .unwrap_or(term.sent);
+            let bound = term.cut.map_or(bound, |(_, c)| c.min(bound));
+            term.cut = Some((now.instant, bound));
+            warn!(
+                lease_duration = ?written,
+                own = ?ld,
+                "another writer shortened the lease duration of our record; the term is valid only as long as followers will wait, and the next renewal writes our own duration again"
+            );
+        }
+        let valid_until = match self.term_ref() {
+            Some(t) => self.valid_until(t),
+            None => None,
+        };
+        if let Some(valid_until) = valid_until {
+            if renewed {
+                self.out.push_back(Output::Renewed { valid_until });
+            } else if shortened {
+                self.out.push_back(Output::Shortened { valid_until });
             }
         }
     }
@@ -1525,8 +1526,9 @@ impl Machine {
                         info!("an acquire that reported an error did land");
                         let token = pending.commit.then_some(r.transitions);
                         let version = v.version.clone();
+                        let stored = self.record_lease(r);
                         if let Some(pending) = self.pending_acquire.take() {
-                            self.acquired(now, *pending, version, token);
+                            self.acquired(now, *pending, version, token, stored);
                         }
                         return;
                     }
@@ -1680,7 +1682,10 @@ impl Machine {
                 );
                 self.acquire_failed(now);
             }
-            Ok((version, token)) => self.acquired(now, pending, version, token),
+            Ok((version, token)) => {
+                let stored = self.cfg.lease_duration;
+                self.acquired(now, pending, version, token, stored)
+            }
             Err(Error::Unsupported { .. }) if pending.commit => {
                 // A store (or a wrapper around one) that declares commit tokens but does not
                 // implement them: fall back to fencing seeds.
@@ -1729,6 +1734,7 @@ impl Machine {
         pending: PendingAcquire,
         version: Version,
         token: Option<u64>,
+        stored: Duration,
     ) {
         let PendingAcquire {
             mut record,
@@ -1758,11 +1764,12 @@ impl Machine {
                     record,
                     version,
                     sent,
+                    stored,
                 },
                 deadline,
             );
         } else {
-            self.begin_term(now, sent, record, version);
+            self.begin_term(now, sent, record, version, stored);
         }
     }
 
@@ -1772,13 +1779,20 @@ impl Machine {
         sent: Instant,
         record: LeaseRecord,
         version: Version,
+        stored: Duration,
         result: Result<Reply, Error>,
     ) {
+        if result.is_ok() && self.superseded(&Some(version.clone()), &version) {
+            // The record changed while the seed was checked: never lead on the old state.
+            warn!("the lease changed while its fencing token was being checked; not leading on it");
+            self.acquire_failed(now);
+            return;
+        }
         match result {
             // No write landed between the seed and the create: the token is above every token
             // issued before it.
             Ok(Reply::Seed(after)) if after <= record.transitions.saturating_add(1) => {
-                self.begin_term(now, sent, record, version)
+                self.begin_term(now, sent, record, version, stored)
             }
             Ok(Reply::Seed(after)) => {
                 debug!(
@@ -1792,7 +1806,7 @@ impl Machine {
                     Err(last) => self.tokens_exhausted(now, last),
                 }
             }
-            Err(Error::Unsupported { .. }) => self.begin_term(now, sent, record, version),
+            Err(Error::Unsupported { .. }) => self.begin_term(now, sent, record, version, stored),
             Ok(other) => {
                 warn!(
                     ?other,
@@ -1818,7 +1832,17 @@ impl Machine {
         })
     }
 
-    fn begin_term(&mut self, now: Now, sent: Instant, record: LeaseRecord, version: Version) {
+    /// Starts a term on `record`, written at `sent` and now stored at `version` with lease
+    /// duration `stored` (shorter than ours when another writer shortened it meanwhile: the
+    /// term's validity is then cut, as in [`Machine::adopt`]).
+    fn begin_term(
+        &mut self,
+        now: Now,
+        sent: Instant,
+        record: LeaseRecord,
+        version: Version,
+        stored: Duration,
+    ) {
         let mine = Mine {
             token: record.transitions,
             acquire_time: record.acquire_time,
@@ -1844,7 +1868,17 @@ impl Machine {
             cut: None,
             past: VecDeque::new(),
         });
+        let mut term = term;
         let valid_until = later(sent, self.cfg.renew_deadline);
+        let valid_until = if stored < self.cfg.lease_duration {
+            let rd = self.cfg.renew_deadline.as_secs_f64();
+            let ld = self.cfg.lease_duration.as_secs_f64();
+            let bound = later(sent, stored.mul_f64(rd / ld)).unwrap_or(sent);
+            term.cut = Some((now.instant, bound));
+            valid_until.map(|v| v.min(bound))
+        } else {
+            valid_until
+        };
         let still_valid = valid_until.is_some_and(|v| now.instant < v);
         if self.stop_requested || !self.deferred_yields.is_empty() {
             // Acquired while a shutdown or yield was pending: never publish it, release at once.

@@ -51,9 +51,12 @@
 //!    **void** by the docs' definition (their record was lost while valid: deleted, corrupted,
 //!    vacated or replaced by an older term's copy by a foreign writer; also when the term starts
 //!    only later), and except the window from a foreign write that shortened a term's lease
-//!    duration until its elector observed that write;
-//! 2. fencing tokens strictly increase in term order among terms that are not void, and with
-//!    commit tokens no token is ever repeated, void terms included;
+//!    duration until its elector observed that write (also when the term begins only after
+//!    that write);
+//! 2. fencing tokens strictly increase in term order among terms that are not void (nor begun
+//!    inside such a window: their record was shortened and taken over before they could know,
+//!    so they start late with a lower token, which fencing rejects), and with commit tokens no
+//!    token is ever repeated, void terms included;
 //! 3. no leader task acts on a term after a later term's first action (outside the exceptions
 //!    of 1);
 //! 4. after the faults stop, some elector leads within
@@ -138,6 +141,9 @@ struct Store {
     /// The term (identity, token) whose elector last wrote the stored record: foreign edits of
     /// fields keep it, so losing the edited record still loses that term's record.
     owner: Option<(String, u64)>,
+    /// Foreign writes that shortened the lease duration of a term's record: (term, version).
+    /// Kept after the record is replaced: the term may only begin later (a slow reply).
+    shortened: Vec<((String, u64), u64)>,
 }
 
 /// How many older records the store remembers for restores.
@@ -445,6 +451,8 @@ struct Node {
     /// The driver's view of the current term's validity (local clock): what
     /// `Leadership::ensure_leading` checks. `None`: no term, or revoked.
     validity: Option<Instant>,
+    /// The highest store version this incarnation has observed.
+    seen_max: u64,
 }
 
 /// One term's validity interval on the true clock.
@@ -659,6 +667,7 @@ impl Sim {
                 waiting: None,
                 watch_broken_until: Duration::ZERO,
                 validity: None,
+                seen_max: 0,
             });
             let at = sim.rng.dur(Duration::ZERO, Duration::from_millis(500));
             sim.push(at, i, Ev::Start);
@@ -880,8 +889,13 @@ impl Sim {
         ivs.sort_by_key(|i| i.start);
         let mut max_before: Option<&Interval> = None;
         for iv in &ivs {
+            // A term that began inside its own exempt window (its record was shortened and
+            // taken over before it could know) may start late with a lower token, which fencing
+            // rejects, as a void term may.
+            let late = iv.exempt_at(iv.start);
             if let Some(m) = max_before
                 && !iv.voided
+                && !late
                 && iv.token <= m.token
             {
                 self.fail(format!(
@@ -890,7 +904,7 @@ impl Sim {
                 ));
                 return;
             }
-            if !iv.voided && max_before.is_none_or(|m| iv.token > m.token) {
+            if !iv.voided && !late && max_before.is_none_or(|m| iv.token > m.token) {
                 max_before = Some(iv);
             }
         }
@@ -923,7 +937,7 @@ impl Sim {
         let first_action = |i: usize| {
             actions
                 .iter()
-                .filter(|(_, j)| *j == i)
+                .filter(|(t, j)| *j == i && !original[i].exempt_at(*t))
                 .map(|(t, _)| *t)
                 .min()
         };
@@ -1072,6 +1086,7 @@ impl Sim {
             node.interval = None;
             node.waiting = None;
             node.validity = None;
+            node.seen_max = 0;
         }
         let cfg = ElectorConfig::new(key(), identity.clone())
             .with_timings(LEASE, RENEW, RETRY)
@@ -1408,6 +1423,16 @@ impl Sim {
                 let inc = self.nodes[n].incarnation;
                 let voided = self.lost.contains(&(identity.clone(), fencing_token));
                 let now = self.now;
+                // A foreign write shortened this term's record before it began, and this elector
+                // has not seen it: followers may take over before it can know.
+                let term = (identity.clone(), fencing_token);
+                let unseen_cut = self
+                    .store
+                    .shortened
+                    .iter()
+                    .filter(|(t, v)| *t == term && self.nodes[n].seen_max < *v)
+                    .map(|(_, v)| *v)
+                    .max();
                 let clash = self
                     .intervals
                     .iter()
@@ -1418,7 +1443,7 @@ impl Sim {
                             && !iv.exempt_at(now)
                     })
                     .cloned();
-                if let Some(iv) = clash.filter(|_| !voided) {
+                if let Some(iv) = clash.filter(|_| !voided && unseen_cut.is_none()) {
                     self.fail(format!(
                         "two valid terms overlap: {} (token {}) is valid until {:?} when {identity} starts a term with token {fencing_token}",
                         iv.identity, iv.token, iv.valid_until.min(iv.end.unwrap_or(iv.valid_until))
@@ -1434,6 +1459,7 @@ impl Sim {
                     .max()
                     && fencing_token <= max
                     && !voided
+                    && unseen_cut.is_none()
                 {
                     self.fail(format!(
                         "fencing token did not increase: {identity} starts a term with token {fencing_token}, an earlier term had {max}"
@@ -1457,8 +1483,8 @@ impl Sim {
                     valid_until,
                     end: None,
                     voided,
-                    exempt: Vec::new(),
-                    exempt_version: None,
+                    exempt: unseen_cut.map(|_| (now, None)).into_iter().collect(),
+                    exempt_version: unseen_cut,
                 });
                 self.nodes[n].interval = Some(self.intervals.len() - 1);
                 // The term's leader task acts now and then, and may yield (or panic) from inside.
@@ -1640,7 +1666,13 @@ impl Sim {
                 r.transitions = r.transitions.saturating_add(1 + self.rng.below(20));
             }
             Edit::TransitionsNearMax => {
-                r.transitions = u64::MAX - self.rng.below(3);
+                let near = u64::MAX - self.rng.below(3);
+                // With fencing seeds only raising the token is modelled (see Transitions).
+                r.transitions = if self.profile.commit_tokens {
+                    near
+                } else {
+                    near.max(r.transitions)
+                };
                 self.exhausted = true;
             }
             Edit::Restore => {
@@ -1682,18 +1714,26 @@ impl Sim {
         let until = self.now + r.lease_duration;
         self.faults_until = self.faults_until.max(until);
         let shorter = same_term && r.lease_duration < LEASE;
-        let holder = cur.holder_identity.clone();
+        // The term whose elector wrote the record (earlier edits may have changed its fields).
+        let (holder, owner_token) = self
+            .store
+            .owner
+            .clone()
+            .unwrap_or((cur.holder_identity.clone(), cur.transitions));
         let v = self.store.write(Some(Stored::Record(r)));
         if shorter {
+            self.store
+                .shortened
+                .push(((holder.clone(), owner_token), v));
             // Followers that see this write may take over before the leader learns of it.
             let now = self.now;
             for iv in &mut self.intervals {
-                if iv.identity == holder
-                    && iv.token == cur.transitions
-                    && iv.end.is_none()
-                    && iv.exempt_version.is_none()
-                {
-                    iv.exempt.push((now, None));
+                if iv.identity == holder && iv.token == owner_token && iv.end.is_none() {
+                    // An open window waits for the newest such write (observing it implies
+                    // having observed the earlier ones).
+                    if iv.exempt_version.is_none() {
+                        iv.exempt.push((now, None));
+                    }
                     iv.exempt_version = Some(v);
                 }
             }
@@ -1703,10 +1743,11 @@ impl Sim {
 
     /// Node `n` observed store version `v`: an exempt window waiting for that closes.
     fn observed_version(&mut self, n: usize, v: &Version) {
-        let Some(i) = self.nodes[n].interval else {
+        let Ok(v) = v.as_str().parse::<u64>() else {
             return;
         };
-        let Ok(v) = v.as_str().parse::<u64>() else {
+        self.nodes[n].seen_max = self.nodes[n].seen_max.max(v);
+        let Some(i) = self.nodes[n].interval else {
             return;
         };
         let now = self.now;
