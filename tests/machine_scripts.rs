@@ -297,6 +297,25 @@ impl World {
         self.drain(n);
     }
 
+    /// Commits node `n`'s request in the store, then answers it with an error (a reply lost
+    /// after the write landed).
+    fn commit_and_fail(&mut self, n: usize) {
+        let Some(req) = self.nodes[n].inflight.take() else {
+            return;
+        };
+        let _ = self.store.apply(&req.op);
+        let now = self.clock();
+        let reset = Error::Unavailable {
+            store: "script",
+            message: "connection reset after the write".into(),
+            source: None,
+        };
+        if let Some(m) = self.nodes[n].m.as_mut() {
+            m.handle_reply(now, req.id, Err(reset));
+        }
+        self.drain(n);
+    }
+
     /// Commits a request that node `n` sent and that was held, after its elector went away (a
     /// write delayed in the network or the store). Returns the store's answer.
     fn commit_held(&mut self, req: Request) -> Result<Reply, Error> {
@@ -605,4 +624,43 @@ fn t_50749446_a_delayed_create_never_lets_a_later_term_repeat_a_token() {
     let last = w.leading(n2).expect("n2 leads").token;
     assert!(last > late, "{last} after {late}");
     w.assert_safe();
+}
+
+/// Simulator seed 1044207 (found while adding foreign writers): a renewal lands but its reply is
+/// lost; before the leader reads it back, another writer shortens the duration of that very
+/// record to 0 s. The read-back shows the leader's own renewal (its renew time), edited: the
+/// leader must confirm it *and* cut its validity, since followers take over at once.
+#[test]
+fn s_1044207_a_renewal_edited_to_a_shorter_duration_cuts_the_term() {
+    for commit_tokens in [false, true] {
+        let mut w = World::new(commit_tokens);
+        w.foreign_write(vacant(0));
+        let a = w.start("a");
+        w.run(Duration::from_secs(1));
+        assert!(w.leading(a).is_some());
+        let b = w.start("b");
+        w.run(Duration::from_secs(1));
+        // The next renewal: it lands, the reply is lost.
+        w.nodes[a].hold = Hold::All;
+        w.run(RETRY);
+        w.commit_and_fail(a);
+        let edited = LeaseRecord {
+            lease_duration: Duration::ZERO,
+            ..w.stored()
+        };
+        w.foreign_write(edited);
+        // a reads back (answered), then is partitioned; b polls, sees the edit, takes over.
+        let read = w.nodes[a].inflight.as_ref().map(|r| r.op.clone());
+        assert!(matches!(read, Some(Op::Get)), "a reads back: {read:?}");
+        w.answer(a);
+        let term = w.terms.last().expect("a's term").clone();
+        assert!(
+            term.ended.is_some() && term.end() <= w.now,
+            "a's term ends as soon as it reads back the edited renewal: {term:?} at {:?}",
+            w.now
+        );
+        w.run(LEASE * 2);
+        assert!(w.leading(b).is_some(), "b took over");
+        w.assert_safe();
+    }
 }
