@@ -32,7 +32,7 @@ use std::future::Future;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex, OnceLock};
 use std::task::{Context, Poll};
-use std::time::SystemTime;
+use std::time::{Duration, SystemTime};
 
 use futures::future::BoxFuture;
 use tokio::sync::{oneshot, watch};
@@ -244,6 +244,16 @@ impl fmt::Debug for Leadership {
             .field("valid_until", &self.valid_until())
             .finish()
     }
+}
+
+/// `t + d`, or a far-future instant where that cannot be represented (for durations such as
+/// `Duration::MAX` meaning "never").
+pub(crate) fn instant_after(t: Instant, d: Duration) -> Instant {
+    /// About 30 years: later than anything a lease needs, and representable.
+    const FAR: Duration = Duration::from_secs(30 * 365 * 24 * 60 * 60);
+    t.checked_add(d.min(FAR))
+        .or_else(|| t.checked_add(Duration::from_secs(24 * 60 * 60)))
+        .unwrap_or(t)
 }
 
 /// Updates a validity cell; a revoked term stays revoked.

@@ -550,8 +550,11 @@ impl Elector {
             let now = Instant::now();
             let stale = match l.valid_until() {
                 Some(v) => {
-                    let since = (now + cfg.renew_deadline).saturating_duration_since(v);
-                    (since > cfg.renew_deadline + tolerance).then_some(since)
+                    // Since the last confirmed renewal was sent: now - (v - renew_deadline).
+                    let since = now
+                        .saturating_duration_since(v)
+                        .saturating_add(cfg.renew_deadline);
+                    (since > cfg.renew_deadline.saturating_add(tolerance)).then_some(since)
                 }
                 None => (!l.is_valid()).then_some(cfg.renew_deadline),
             };
