@@ -333,7 +333,7 @@ impl ControllerCounter {
                 if last != Some(n) {
                     last = Some(n);
                     let f = f.clone();
-                    super::callbacks::invoke(Arc::new(move || f(n)), "count", 0).await;
+                    super::callbacks::invoke(Arc::new(move || f(n)), "count", 0, None).await;
                 }
                 tokio::select! {
                     () = cancel.cancelled() => return,
