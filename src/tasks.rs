@@ -370,7 +370,10 @@ mod tests {
         tokio::time::sleep_until(deadline).await;
         assert_eq!(Instant::now(), deadline, "woken on the deadline itself");
         assert!(ctx.is_cancelled(), "is_cancelled checks the clock");
-        assert!(!status.is_leading(), "a Leading status past its deadline is not leading");
+        assert!(
+            !status.is_leading(),
+            "a Leading status past its deadline is not leading"
+        );
         assert!(status.is_leading_variant(), "the variant is still Leading");
         assert_eq!(ctx.cause(), Some(StopCause::LeaseLost));
         assert!(ctx.ensure_leading().is_err());

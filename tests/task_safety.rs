@@ -112,7 +112,7 @@ async fn s18_3_yield_for_from_inside_the_leaders_own_task_does_not_wait_for_itse
         }
     });
     let b_leads = leads(&mut b.subscribe()).await;
-    let s = seen.lock().expect("lock");
+    let s = std::mem::take(&mut *seen.lock().expect("lock"));
     let (called, returned) = (
         s.called.expect("the task called yield_for"),
         s.returned.expect("yield_for returned"),
@@ -129,7 +129,6 @@ async fn s18_3_yield_for_from_inside_the_leaders_own_task_does_not_wait_for_itse
         "the next leader started before the drain timeout: the lease was released, not left to expire"
     );
     assert!(b_leads >= returned, "b led only after the yield had begun");
-    drop(s);
     let record = mem.get(&key()).await.expect("get").expect("record");
     assert_eq!(record.record.holder_identity, "b");
     assert!(!a.is_leading(), "a stays out for the yield");
@@ -172,7 +171,7 @@ async fn s18_3_shutdown_from_inside_the_leaders_own_task_does_not_wait_for_itsel
     tokio::time::timeout(PATIENCE, a.stopped())
         .await
         .expect("a stops once its task returned");
-    let s = seen.lock().expect("lock");
+    let s = std::mem::take(&mut *seen.lock().expect("lock"));
     let (called, returned) = (
         s.called.expect("the task called shutdown"),
         s.returned.expect("shutdown returned"),
@@ -182,7 +181,6 @@ async fn s18_3_shutdown_from_inside_the_leaders_own_task_does_not_wait_for_itsel
     assert_eq!(s.cancelled_when_returned, Some(true));
     assert_eq!(s.cause, Some(StopCause::SteppedDown));
     assert!(b_leads < called + DRAIN, "the lease was released");
-    drop(s);
     let record = mem.get(&key()).await.expect("get").expect("record");
     assert_eq!(record.record.holder_identity, "b");
     tokio::time::timeout(PATIENCE, tasks)

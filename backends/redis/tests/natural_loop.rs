@@ -83,21 +83,25 @@ fn worker_main(url: String, prefix: String, identity: String, log: PathBuf) {
                 .expect("open the action log"),
         ));
         let status = elector.clone();
-        run_leader_tasks(leasehold::CancellationToken::new(), elector, move |leader| {
-            let (status, log) = (status.clone(), log.clone());
-            async move {
-                // The loop twice: in the task itself, and in a task it spawns (as k0s-style
-                // code starts its reconciler), which runs beside `run_leader_tasks`.
-                let spawned = tokio::spawn(natural_loop(
-                    leader.clone(),
-                    status.clone(),
-                    log.clone(),
-                    's',
-                ));
-                natural_loop(leader, status, log, 'd').await;
-                let _ = spawned.await;
-            }
-        })
+        run_leader_tasks(
+            leasehold::CancellationToken::new(),
+            elector,
+            move |leader| {
+                let (status, log) = (status.clone(), log.clone());
+                async move {
+                    // The loop twice: in the task itself, and in a task it spawns (as k0s-style
+                    // code starts its reconciler), which runs beside `run_leader_tasks`.
+                    let spawned = tokio::spawn(natural_loop(
+                        leader.clone(),
+                        status.clone(),
+                        log.clone(),
+                        's',
+                    ));
+                    natural_loop(leader, status, log, 'd').await;
+                    let _ = spawned.await;
+                }
+            },
+        )
         .await;
     });
 }
@@ -193,21 +197,24 @@ impl Drop for Worker {
     }
 }
 
+/// An action of a term stamped after a later term's first action: (term, stamp, later term,
+/// its first action, which loop: 'd'irect or 's'pawned).
+type Stale = (u64, i64, u64, i64, char);
+
 /// What one pair saw.
 #[derive(Debug, Default)]
 struct Outcome {
     /// Pauses after which another worker held the lease.
     takeovers: usize,
     pauses: usize,
-    /// Actions of a term stamped after a later term's first action: (term, stamp, later term,
-    /// its first action, which loop: 'd'irect or 's'pawned).
-    stale: Vec<(u64, i64, u64, i64, char)>,
+    /// Actions of a term stamped after a later term's first action.
+    stale: Vec<Stale>,
     terms: usize,
     actions: usize,
 }
 
 /// Reads the workers' logs and finds every action of a term after a later term's first action.
-fn check(logs: &[PathBuf]) -> (Vec<(u64, i64, u64, i64, char)>, usize, usize) {
+fn check(logs: &[PathBuf]) -> (Vec<Stale>, usize, usize) {
     let mut actions = Vec::new();
     for log in logs {
         let text = std::fs::read_to_string(log).unwrap_or_default();
@@ -230,9 +237,7 @@ fn check(logs: &[PathBuf]) -> (Vec<(u64, i64, u64, i64, char)>, usize, usize) {
     let mut stale = Vec::new();
     for &(at, token, place) in &actions {
         // The earliest first action among the later terms.
-        if let Some((&later, &start)) = first
-            .range(token + 1..)
-            .min_by_key(|(_, start)| **start)
+        if let Some((&later, &start)) = first.range(token + 1..).min_by_key(|(_, start)| **start)
             && start < at
         {
             stale.push((token, at, later, start, place));
