@@ -196,6 +196,23 @@ pub enum Error {
         message: String,
     },
 
+    /// A leader task of one of the elector's terms panicked (reported by
+    /// [`Elector::check_health`](crate::Elector::check_health) from then on). The elector ended
+    /// the term, released the lease once the task's guard was gone, and shut down; the panic
+    /// itself was resumed to the caller of [`run_leader_tasks`](crate::run_leader_tasks). Fix the
+    /// task; restart the process (or spawn a new elector) to campaign again.
+    #[error(
+        "a leader task of elector {identity:?} for lease {key:?} panicked ({message}); the elector stepped down and shut down"
+    )]
+    LeaderTaskPanicked {
+        /// The lease key.
+        key: String,
+        /// The elector's identity.
+        identity: String,
+        /// The panic message.
+        message: String,
+    },
+
     /// The elector's store keeps failing: every operation since `since` ago failed (reported by
     /// [`Elector::store_health`](crate::Elector::store_health)).
     #[error(
@@ -254,6 +271,7 @@ impl Error {
             Error::Shutdown { .. } => "shutdown",
             Error::NotLeading { .. } => "not_leading",
             Error::ElectorFailed { .. } => "elector_failed",
+            Error::LeaderTaskPanicked { .. } => "leader_task_panicked",
             Error::StoreFailing { .. } => "store_failing",
             Error::Unhealthy { .. } => "unhealthy",
         }

@@ -73,9 +73,10 @@ impl Faults {
         self.lock().fail_next = n;
     }
 
-    /// Makes every operation fail with [`Error::Unavailable`] for `window` from now.
+    /// Makes every operation fail with [`Error::Unavailable`] for `window` from now (any
+    /// duration; one too large to represent means "until healed").
     pub fn fail_for(&self, window: Duration) {
-        self.lock().fail_until = Some(Instant::now() + window);
+        self.lock().fail_until = Some(crate::status::instant_after(Instant::now(), window));
     }
 
     /// Cuts this handle off (or reconnects it): while partitioned every operation fails with

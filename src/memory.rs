@@ -12,12 +12,12 @@
 //! # Ok(()) }
 //! ```
 
-use std::collections::{BTreeMap, HashMap};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
 
 use async_trait::async_trait;
 use futures::StreamExt;
-use tokio::sync::mpsc;
+use tokio::sync::Notify;
 
 use crate::error::{Error, Result};
 use crate::store::{
@@ -97,29 +97,65 @@ impl MemoryStore {
 /// latest state (delivered after the queued ones), as the store contract allows.
 pub const WATCH_BUFFER: usize = 64;
 
+/// What a watcher has not delivered yet. One lock covers both the queue and the coalesced
+/// latest state, so the receiver can never take the latest state while older changes are being
+/// queued (that would deliver an older state after a newer one).
+#[derive(Debug, Default)]
+struct Pending {
+    queue: VecDeque<Box<WatchEvent>>,
+    /// The latest change that did not fit in the queue; newer than everything queued.
+    overflow: Option<Box<WatchEvent>>,
+    /// The store side is gone: nothing more will come after what is pending.
+    closed: bool,
+}
+
+#[derive(Debug, Default)]
+struct Channel {
+    pending: Mutex<Pending>,
+    ready: Notify,
+}
+
+impl Channel {
+    fn lock(&self) -> MutexGuard<'_, Pending> {
+        self.pending.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+/// The store's side of one watch; the stream holds the only strong reference to the channel.
 #[derive(Debug)]
 struct Watcher {
-    tx: mpsc::Sender<Box<WatchEvent>>,
-    /// The latest change that did not fit in the queue; newer than everything queued.
-    overflow: Arc<Mutex<Option<Box<WatchEvent>>>>,
+    channel: Weak<Channel>,
 }
 
 impl Watcher {
     /// Queues `ev`; false once the receiver is gone.
     fn send(&self, ev: WatchEvent) -> bool {
-        let mut overflow = self.overflow.lock().unwrap_or_else(|e| e.into_inner());
-        if overflow.is_some() {
-            // Keep the order: once something overflowed, newer changes coalesce behind it.
-            *overflow = Some(Box::new(ev));
-            return !self.tx.is_closed();
-        }
-        match self.tx.try_send(Box::new(ev)) {
-            Ok(()) => true,
-            Err(mpsc::error::TrySendError::Full(ev)) => {
-                *overflow = Some(ev);
-                true
+        let Some(channel) = self.channel.upgrade() else {
+            return false;
+        };
+        {
+            let mut p = channel.lock();
+            if p.overflow.is_some() || p.queue.len() >= WATCH_BUFFER {
+                // Keep the order: once something overflowed, newer changes coalesce behind it.
+                p.overflow = Some(Box::new(ev));
+            } else {
+                p.queue.push_back(Box::new(ev));
             }
-            Err(mpsc::error::TrySendError::Closed(_)) => false,
+        }
+        channel.ready.notify_one();
+        true
+    }
+
+    fn is_closed(&self) -> bool {
+        self.channel.strong_count() == 0
+    }
+}
+
+impl Drop for Watcher {
+    fn drop(&mut self) {
+        if let Some(channel) = self.channel.upgrade() {
+            channel.lock().closed = true;
+            channel.ready.notify_one();
         }
     }
 }
@@ -133,23 +169,25 @@ fn notify(st: &mut State, key: &LeaseKey, ev: WatchEvent) {
     }
 }
 
-/// The receiving side: queued changes in order, then the coalesced latest one.
-fn watch_stream(
-    rx: mpsc::Receiver<Box<WatchEvent>>,
-    overflow: Arc<Mutex<Option<Box<WatchEvent>>>>,
-) -> WatchStream {
-    futures::stream::unfold((rx, overflow), |(mut rx, overflow)| async move {
-        let ev = match rx.try_recv() {
-            Ok(ev) => Some(ev),
-            Err(_) => {
-                let coalesced = overflow.lock().unwrap_or_else(|e| e.into_inner()).take();
-                match coalesced {
+/// The receiving side: queued changes in order, then the coalesced latest one; ends once the
+/// store is gone and everything pending was delivered.
+fn watch_stream(channel: Arc<Channel>) -> WatchStream {
+    futures::stream::unfold(channel, |channel| async move {
+        loop {
+            let next = {
+                let mut p = channel.lock();
+                match p.queue.pop_front().or_else(|| p.overflow.take()) {
                     Some(ev) => Some(ev),
-                    None => rx.recv().await,
+                    None if p.closed => return None,
+                    None => None,
                 }
+            };
+            if let Some(ev) = next {
+                return Some((Ok(*ev), channel));
             }
-        };
-        ev.map(|ev| (Ok(*ev), (rx, overflow)))
+            // A permit stored by a send after the lock was released makes this return at once.
+            channel.ready.notified().await;
+        }
     })
     .boxed()
 }
@@ -275,12 +313,10 @@ impl LeaseStore for MemoryStore {
     }
 
     async fn watch(&self, key: &LeaseKey, after: Option<&Version>) -> Result<WatchStream> {
-        let (tx, rx) = mpsc::channel(WATCH_BUFFER);
+        let channel = Arc::new(Channel::default());
         let watcher = Watcher {
-            tx,
-            overflow: Arc::default(),
+            channel: Arc::downgrade(&channel),
         };
-        let overflow = watcher.overflow.clone();
         let mut st = self.lock();
         match (st.entries.get(key), after) {
             (Some(e), Some(v)) if Some(e.revision) == parse_version(v) => {}
@@ -294,9 +330,9 @@ impl LeaseStore for MemoryStore {
         }
         let list = st.watchers.entry(key.clone()).or_default();
         // Drop watchers whose receiver is gone (a leader re-opens its watch every term).
-        list.retain(|w| !w.tx.is_closed());
+        list.retain(|w| !w.is_closed());
         list.push(watcher);
-        Ok(watch_stream(rx, overflow))
+        Ok(watch_stream(channel))
     }
 
     async fn list(&self, prefix: &KeyPrefix) -> Result<Vec<(LeaseKey, Versioned)>> {
@@ -434,5 +470,55 @@ mod tests {
         assert_eq!(seen.len(), WATCH_BUFFER + 1, "{seen:?}");
         assert!(seen.windows(2).all(|w| w[0] < w[1]), "in order: {seen:?}");
         assert_eq!(seen.last(), Some(&writes), "ends with the latest state");
+    }
+
+    /// A store watch never goes backwards, also while a writer refills the queue as fast as
+    /// the reader drains it (issue 18, schedule 8: the coalesced latest state was taken under a
+    /// second lock, after older changes had been queued behind the reader's back).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_watch_never_delivers_an_older_state_after_a_newer_one() {
+        const WRITES: u64 = 200_000;
+        let store = MemoryStore::new();
+        let key = LeaseKey::new("monotonic").expect("valid");
+        let v0 = store.create(&key, &record(0)).await.expect("created");
+        let mut w = store.watch(&key, Some(&v0)).await.expect("watch");
+        // The writer hammers on its own thread, as fast as it can.
+        let writer = std::thread::spawn({
+            let (store, key) = (store.clone(), key.clone());
+            move || {
+                let mut v = v0;
+                for t in 1..=WRITES {
+                    v = futures::executor::block_on(store.update(&key, &record(t), &v))
+                        .expect("updated");
+                }
+            }
+        });
+        let (mut last, mut delivered, mut backwards) = (0, 0u64, Vec::new());
+        while last < WRITES {
+            let item = tokio::time::timeout(Duration::from_secs(120), w.next())
+                .await
+                .expect("hang guard: the latest state is delivered")
+                .expect("the watch stays open");
+            let WatchEvent::Put(p) = item.expect("no error") else {
+                panic!("only updates were written");
+            };
+            let t = p.record.transitions;
+            if t <= last {
+                backwards.push((last, t));
+            }
+            last = last.max(t);
+            delivered += 1;
+            // A reader slower than the writer: the queue fills and overflows again and again.
+            if delivered % 16 == 0 {
+                tokio::task::yield_now().await;
+            }
+        }
+        writer.join().expect("the writer finished");
+        assert!(
+            backwards.is_empty(),
+            "{} of {delivered} deliveries went back (newest seen, then delivered), first: {:?}",
+            backwards.len(),
+            &backwards[..backwards.len().min(5)]
+        );
     }
 }

@@ -32,7 +32,7 @@ use std::future::Future;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex, OnceLock};
 use std::task::{Context, Poll};
-use std::time::SystemTime;
+use std::time::{Duration, SystemTime};
 
 use futures::future::BoxFuture;
 use tokio::sync::{oneshot, watch};
@@ -80,7 +80,12 @@ struct Term {
     ended: OnceLock<StopCause>,
     validity: Arc<Mutex<Validity>>,
     on_last_drop: Mutex<Option<oneshot::Sender<()>>>,
+    /// Told when a leader task of this term panicked (an elector sets it to step down).
+    on_panic: Mutex<Option<PanicHook>>,
 }
+
+/// What a term's publisher is told when a leader task of the term panicked: the panic message.
+pub(crate) type PanicHook = Box<dyn FnOnce(String) + Send>;
 
 impl Drop for Term {
     fn drop(&mut self) {
@@ -131,6 +136,7 @@ impl Leadership {
             ended: OnceLock::new(),
             validity: Arc::new(Mutex::new(validity)),
             on_last_drop: Mutex::new(Some(tx)),
+            on_panic: Mutex::new(None),
         };
         (
             Leadership {
@@ -179,6 +185,30 @@ impl Leadership {
     /// The term's validity cell, for the publisher to update without holding a guard.
     pub(crate) fn validity_cell(&self) -> Arc<Mutex<Validity>> {
         self.term.validity.clone()
+    }
+
+    /// Whether `cell` is this term's validity cell (it identifies the term without a guard).
+    pub(crate) fn has_validity_cell(&self, cell: &Arc<Mutex<Validity>>) -> bool {
+        Arc::ptr_eq(&self.term.validity, cell)
+    }
+
+    /// Sets what is called when a leader task of this term panics (see
+    /// [`report_panic`](Self::report_panic)).
+    pub(crate) fn set_panic_hook(&self, hook: PanicHook) {
+        *self.term.on_panic.lock().unwrap_or_else(|e| e.into_inner()) = Some(hook);
+    }
+
+    /// Tells the term's publisher (once) that a leader task of this term panicked.
+    pub(crate) fn report_panic(&self, message: String) {
+        let hook = self
+            .term
+            .on_panic
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take();
+        if let Some(hook) = hook {
+            hook(message);
+        }
     }
 
     /// Until when this term may be acted on, as known now (monotonic clock): the instant its
@@ -246,6 +276,16 @@ impl fmt::Debug for Leadership {
     }
 }
 
+/// `t + d`, or a far-future instant where that cannot be represented (for durations such as
+/// `Duration::MAX` meaning "never").
+pub(crate) fn instant_after(t: Instant, d: Duration) -> Instant {
+    /// About 30 years: later than anything a lease needs, and representable.
+    const FAR: Duration = Duration::from_secs(30 * 365 * 24 * 60 * 60);
+    t.checked_add(d.min(FAR))
+        .or_else(|| t.checked_add(Duration::from_secs(24 * 60 * 60)))
+        .unwrap_or(t)
+}
+
 /// Updates a validity cell; a revoked term stays revoked.
 pub(crate) fn set_validity(cell: &Mutex<Validity>, v: Validity) {
     let mut cur = cell.lock().unwrap_or_else(|e| e.into_inner());
@@ -263,7 +303,9 @@ pub enum LeaderStatus {
         /// The current leader's identity, if known.
         leader: Option<String>,
     },
-    /// This elector leads.
+    /// This elector won the term it carries. It may act as the leader only while that term is
+    /// valid ([`LeaderStatus::is_leading`] checks the clock; the elector publishes the end of the
+    /// term at its deadline, but a reader can run first, for instance right after a pause).
     Leading(Leadership),
     /// The elector has stopped (it was shut down, every handle was dropped, its runtime went
     /// away, or its task failed). Terminal: the status never changes again, and a
@@ -275,8 +317,20 @@ pub enum LeaderStatus {
 // === impl LeaderStatus ===
 
 impl LeaderStatus {
-    /// Whether this status is `Leading`.
+    /// Whether this status says leading **now**: it is `Leading` and its term is still valid by
+    /// the monotonic clock ([`Leadership::is_valid`]). A `Leading` status read after its term's
+    /// deadline (the elector has not published the end yet, say right after a process pause)
+    /// answers `false`. For the variant alone, see
+    /// [`is_leading_variant`](Self::is_leading_variant).
     pub fn is_leading(&self) -> bool {
+        self.leadership().is_some_and(Leadership::is_valid)
+    }
+
+    /// Whether this status is the `Leading` variant, whatever the clock says: the term it
+    /// carries may already be past its deadline. To ask whether this elector may act as the
+    /// leader now, use [`is_leading`](Self::is_leading) (or, right before a side effect,
+    /// [`Leadership::ensure_leading`]).
+    pub fn is_leading_variant(&self) -> bool {
         matches!(self, LeaderStatus::Leading(_))
     }
 
@@ -285,7 +339,8 @@ impl LeaderStatus {
         matches!(self, LeaderStatus::Stopped)
     }
 
-    /// The leadership term, when leading.
+    /// The leadership term when the status is `Leading` (it may already be past its deadline:
+    /// check it with [`Leadership::is_valid`] or [`Leadership::ensure_leading`]).
     pub fn leadership(&self) -> Option<&Leadership> {
         match self {
             LeaderStatus::Leading(l) => Some(l),

@@ -29,12 +29,16 @@ pub fn new_term(fencing_token: u64) -> (Leadership, oneshot::Receiver<()>) {
     Leadership::new_term(fencing_token, Validity::UntilEnded)
 }
 
-/// A term with `fencing_token` that is valid for `validity` from now (monotonic clock).
+/// A term with `fencing_token` that is valid for `validity` from now (monotonic clock). Any
+/// duration is accepted; one too large to represent means "practically forever".
 pub fn new_term_valid_for(
     fencing_token: u64,
     validity: Duration,
 ) -> (Leadership, oneshot::Receiver<()>) {
-    Leadership::new_term(fencing_token, Validity::Until(Instant::now() + validity))
+    Leadership::new_term(
+        fencing_token,
+        Validity::Until(crate::status::instant_after(Instant::now(), validity)),
+    )
 }
 
 /// Ends `term` for `cause` (the first cause recorded wins); it is no longer valid.

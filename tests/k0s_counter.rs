@@ -199,3 +199,29 @@ async fn k0s_counter_rejects_doorbell_under_prefix() {
     let p = KeyPrefix::new("ctrl").expect("prefix");
     assert_eq!(CounterConfig::new(p, "x").expect("config").doorbell, None);
 }
+
+/// Schedule 7 of issue 18: `relist_interval = Duration::MAX` panicked the counting task (the
+/// count stayed 1 forever). Every duration knob of the counter is bounded at start.
+#[tokio::test(start_paused = true)]
+async fn absurd_durations_are_rejected_with_a_typed_error() {
+    let prefix = KeyPrefix::new("absurd-").expect("prefix");
+    let store: DynLeaseStore = Arc::new(MemoryStore::new());
+    type Knob = fn(&mut CounterConfig);
+    let knobs: [(&str, Knob); 4] = [
+        ("relist_interval", |c| c.relist_interval = Duration::MAX),
+        ("lease_duration", |c| c.lease_duration = Duration::MAX),
+        ("renew_deadline", |c| c.renew_deadline = Duration::MAX),
+        ("skew_tolerance", |c| c.skew_tolerance = Duration::MAX),
+    ];
+    for (name, set) in knobs {
+        let mut c = config(&prefix, "n1");
+        set(&mut c);
+        match ControllerCounter::start(store.clone(), c) {
+            Err(leasehold::Error::InvalidConfig(m)) => {
+                assert!(m.contains(name), "{name}: the message names it: {m}");
+            }
+            Err(e) => panic!("{name}: expected InvalidConfig, got {e}"),
+            Ok(_) => panic!("{name}: Duration::MAX must be rejected"),
+        }
+    }
+}

@@ -6,7 +6,7 @@ use std::io::Write;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use futures::FutureExt;
+use futures::{FutureExt, StreamExt};
 use leasehold::conformance::{create_released, unique_key};
 use leasehold::k0s::conformance as k0s;
 use leasehold::k0s::{AlwaysLeading, CounterConfig, LeaderElector, LeaderLease, NeverLeading};
@@ -456,4 +456,109 @@ async fn k0s_cause_on_a_real_loss_is_lease_lost() {
     parent.cancel();
     tasks.await.expect("tasks");
     pool.stop().await;
+}
+
+/// Schedule 4 of issue 18: `LeaderLease::stop()` called from inside a lease callback never
+/// returned (the stop waited for the callbacks, the callback waited for the stop), and the lease
+/// was not released. Now the call returns once the step-down has begun; the lost callbacks run
+/// and the lease is released (an empty holder appears before the next leader's record) once
+/// the calling callback has returned.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn k0s_stop_called_from_a_lease_callback_returns_and_releases() {
+    const HANG_GUARD: Duration = Duration::from_secs(60);
+    let mem = MemoryStore::new();
+    let store: DynLeaseStore = Arc::new(mem.clone());
+    let key = unique_key("stop-in-callback");
+    create_released(&store, &key).await;
+    let config = |id: &str| {
+        LeaderLease::default_config(key.clone(), id).with_timings(
+            Duration::from_secs(2),
+            Duration::from_millis(1500),
+            Duration::from_millis(300),
+        )
+    };
+    let mut holders = mem.watch(&key, None).await.expect("watch");
+    let a = Arc::new(LeaderLease::start(store.clone(), config("a")).expect("start a"));
+    k0s::wait_status(&*a, "a leading", LeaderStatus::is_leading).await;
+    let b = LeaderLease::start(store.clone(), config("b")).expect("start b");
+
+    let (tx, mut events) = mpsc::unbounded_channel::<&'static str>();
+    a.add_lost_lease_callback(Box::new({
+        let tx = tx.clone();
+        move || {
+            let _ = tx.send("lost callback");
+        }
+    }));
+    let weak = Arc::downgrade(&a);
+    a.add_acquired_lease_callback(Box::new(move || {
+        let Some(lease) = weak.upgrade() else { return };
+        let _ = tx.send("calling stop");
+        tokio::runtime::Handle::current().block_on(lease.stop());
+        let _ = tx.send("stop returned");
+    }));
+    let mut seen = Vec::new();
+    while seen.len() < 3 {
+        let ev = tokio::time::timeout(HANG_GUARD, events.recv())
+            .await
+            .unwrap_or_else(|_| panic!("hang guard: events so far {seen:?}"))
+            .expect("the callbacks are alive");
+        seen.push(ev);
+    }
+    assert_eq!(seen, ["calling stop", "stop returned", "lost callback"]);
+    k0s::wait_status(&b, "b leading", LeaderStatus::is_leading).await;
+    tokio::time::timeout(HANG_GUARD, a.elector().stopped())
+        .await
+        .expect("a's elector stops");
+    // The holders the store went through: a, then the release (empty), then b.
+    let mut order = Vec::new();
+    while order.last().map(String::as_str) != Some("b") {
+        let ev = tokio::time::timeout(HANG_GUARD, holders.next())
+            .await
+            .expect("hang guard: b's record is watched")
+            .expect("watch open")
+            .expect("no error");
+        if let leasehold::WatchEvent::Put(v) = ev
+            && order.last() != Some(&v.record.holder_identity)
+        {
+            order.push(v.record.holder_identity);
+        }
+    }
+    let a_pos = order.iter().position(|h| h == "a").expect("a held it");
+    assert_eq!(
+        order[a_pos..],
+        ["a", "", "b"],
+        "a released the lease before b took it: {order:?}"
+    );
+    b.stop().await;
+}
+
+/// The same for `AlwaysLeading::stop()` from inside its own acquired callback: it returns once
+/// the term has ended; the lost callbacks run and `Stopped` is published afterwards.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn k0s_always_leading_stop_called_from_a_callback_returns() {
+    const HANG_GUARD: Duration = Duration::from_secs(60);
+    let pool = Arc::new(AlwaysLeading::new());
+    let (tx, mut events) = mpsc::unbounded_channel::<&'static str>();
+    pool.add_lost_lease_callback(Box::new({
+        let tx = tx.clone();
+        move || {
+            let _ = tx.send("lost callback");
+        }
+    }));
+    let weak = Arc::downgrade(&pool);
+    pool.add_acquired_lease_callback(Box::new(move || {
+        let Some(pool) = weak.upgrade() else { return };
+        tokio::runtime::Handle::current().block_on(pool.stop());
+        let _ = tx.send("stop returned");
+    }));
+    let mut seen = Vec::new();
+    while seen.len() < 2 {
+        let ev = tokio::time::timeout(HANG_GUARD, events.recv())
+            .await
+            .unwrap_or_else(|_| panic!("hang guard: events so far {seen:?}"))
+            .expect("the callbacks are alive");
+        seen.push(ev);
+    }
+    assert_eq!(seen, ["stop returned", "lost callback"]);
+    k0s::wait_status(&*pool, "stopped", LeaderStatus::is_stopped).await;
 }

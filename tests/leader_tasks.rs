@@ -312,3 +312,73 @@ async fn a_task_is_cancelled_at_its_terms_deadline_and_not_restarted() {
     parent.cancel();
     runner.await.expect("joined");
 }
+
+/// Wakes itself and returns `Pending` once: the task is polled again at once, before the
+/// runtime processes its timers.
+struct WakeAtOnce(bool);
+
+impl std::future::Future for WakeAtOnce {
+    type Output = ();
+    fn poll(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<()> {
+        if self.0 {
+            return std::task::Poll::Ready(());
+        }
+        self.0 = true;
+        cx.waker().wake_by_ref();
+        std::task::Poll::Pending
+    }
+}
+
+/// Issue 25: `run_leader_tasks` reads the clock each time it is polled, not only when its
+/// deadline timer has fired. A task whose thread was blocked past the term's deadline (a pause)
+/// and that is polled again before the runtime has fired any timer is polled only with its
+/// token already cancelled.
+#[tokio::test]
+async fn a_task_is_not_polled_uncancelled_after_its_deadline() {
+    let (l, _drained) = testing::new_term_valid_for(1, Duration::from_millis(50));
+    let deadline = l.valid_until().expect("a deadline");
+    let cell = StatusCell::new(LeaderStatus::Leading(l));
+    let parent = CancellationToken::new();
+    let (done_tx, done) = tokio::sync::oneshot::channel();
+    let uncancelled_after_deadline = Arc::new(AtomicUsize::new(0));
+    let runner = tokio::spawn({
+        let (parent, bad) = (parent.clone(), uncancelled_after_deadline.clone());
+        let mut done_tx = Some(done_tx);
+        async move {
+            run_leader_tasks(parent, cell, move |leader| {
+                let bad = bad.clone();
+                let done_tx = done_tx.take();
+                async move {
+                    // Block the only runtime thread past the deadline, as a pause would.
+                    std::thread::sleep(Duration::from_millis(150));
+                    for _ in 0..3 {
+                        WakeAtOnce(false).await;
+                        if tokio::time::Instant::now() >= deadline
+                            && !leader.cancellation_token().is_cancelled()
+                        {
+                            bad.fetch_add(1, Ordering::SeqCst);
+                        }
+                    }
+                    if let Some(tx) = done_tx {
+                        let _ = tx.send(());
+                    }
+                }
+            })
+            .await;
+        }
+    });
+    tokio::time::timeout(Duration::from_secs(60), done)
+        .await
+        .expect("hang guard: the task finished")
+        .expect("the task ran");
+    assert_eq!(
+        uncancelled_after_deadline.load(Ordering::SeqCst),
+        0,
+        "polled after the deadline with its token not cancelled"
+    );
+    parent.cancel();
+    runner.await.expect("runner");
+}

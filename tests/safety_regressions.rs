@@ -343,9 +343,14 @@ fn s03_a_paused_leader_cannot_act_on_its_term_after_resuming() {
         // Block the only runtime thread: nothing of the elector can run meanwhile.
         std::thread::sleep(Duration::from_millis(1500));
         assert!(
-            ra.borrow().is_leading(),
+            ra.borrow().is_leading_variant(),
             "the elector has not run yet, so its published status is stale"
         );
+        assert!(
+            !ra.borrow().is_leading(),
+            "but a Leading status past its deadline does not say leading"
+        );
+        assert_eq!(a.leader(), None, "nor does the elector's leader()");
         let err = term
             .ensure_leading()
             .expect_err("the term's validity passed during the pause");

@@ -426,11 +426,9 @@ impl TaskCtx<'_> {
                 "releasing lease {} and campaigning again (--restart)",
                 self.key
             ));
-            let elector = self.elector.clone();
-            let pause = self.args.retry_period;
-            tokio::spawn(async move {
-                let _ = elector.yield_for(pause).await;
-            });
+            // Called from inside the leader task: returns once the step-down has begun; the
+            // release follows when this task returns.
+            let _ = self.elector.yield_for(self.args.retry_period).await;
         }
     }
 }

@@ -95,7 +95,12 @@
 //!   fresh record starts at the store's fencing seed (or one above the highest token this
 //!   elector has seen), checked against a second seed after the create.
 //! - **Health.** [`Elector::check_health`] fails when the elector believes it leads past its
-//!   term's validity (its task is stuck), or when its task failed.
+//!   term's validity (its task is stuck), when its task failed, or once a leader task panicked.
+//! - **Leader task panics.** A task run by [`run_leader_tasks`](crate::run_leader_tasks) that
+//!   panics ends the term: the elector steps down, stops campaigning and shuts down in order
+//!   (the lease is released once the panicked task's guard is gone), `check_health` reports
+//!   [`Error::LeaderTaskPanicked`] for the rest of the elector's life, and the panic is resumed
+//!   to `run_leader_tasks`' caller. No zombie leader keeps renewing with no leader work running.
 //! - **Corrupt records** are treated as held by an unknown holder and replaced only after they
 //!   stayed unchanged for a whole lease duration. Absurd lease durations in records are treated as
 //!   [`machine::MAX_RECORD_LEASE_DURATION`].
@@ -340,6 +345,8 @@ struct Shared {
     validity: Mutex<Option<Arc<Mutex<Validity>>>>,
     /// Set when the background task panicked.
     failed: Mutex<Option<String>>,
+    /// Set when a leader task of one of its terms panicked (see `run_leader_tasks`).
+    task_panicked: Mutex<Option<String>>,
     /// The store's failures in a row, if its last operation failed.
     store_failure: Mutex<Option<StoreFailure>>,
     /// The highest token seen, when no higher one could be issued (sticky until a term starts).
@@ -399,6 +406,20 @@ impl Shared {
         }
     }
 
+    /// A leader task of a term of this elector panicked: remember it for the health check,
+    /// step down and stop (in order: the lease is released once the task's guard is gone).
+    fn leader_task_panicked(&self, message: String) {
+        tracing::error!(
+            message,
+            "a leader task panicked; the elector steps down, releases the lease and shuts down"
+        );
+        self.task_panicked
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get_or_insert(message);
+        self.commands.request_shutdown();
+    }
+
     fn failure(&self) -> Option<Error> {
         let failed = self.failed.lock().unwrap_or_else(|e| e.into_inner());
         failed.as_ref().map(|m| Error::ElectorFailed {
@@ -418,6 +439,13 @@ impl Shared {
 /// [`run_leader_tasks`](crate::run_leader_tasks) is a handle too and keeps the elector running:
 /// end it with `shutdown` (then `run_leader_tasks` returns) or by cancelling its token (then
 /// `run_leader_tasks` drops its handle, and if that was the last one, the elector shuts down).
+///
+/// Leader code may end its own term: [`yield_for`](Elector::yield_for) and
+/// [`shutdown`](Elector::shutdown) called from inside a `run_leader_tasks` task of this
+/// elector's term return once the step-down has begun (see their docs). A leader task that
+/// panics makes the elector step down and shut down, and [`check_health`](Elector::check_health)
+/// report [`Error::LeaderTaskPanicked`] from then on (see
+/// [`run_leader_tasks`](crate::run_leader_tasks)).
 #[derive(Clone)]
 pub struct Elector {
     inner: Arc<Handle>,
@@ -486,6 +514,7 @@ impl Elector {
             commands: Commands::default(),
             validity: Mutex::new(None),
             failed: Mutex::new(None),
+            task_panicked: Mutex::new(None),
             store_failure: Mutex::new(None),
             tokens_exhausted: Mutex::new(None),
             store_name: store.name(),
@@ -536,44 +565,69 @@ impl Elector {
         }
     }
 
-    /// The identity of the current leader as far as this elector knows (its own when leading).
+    /// The identity of the current leader as far as this elector knows: its own while it leads
+    /// (by the same clock check as [`is_leading`](Self::is_leading)); `None` once its term's
+    /// validity has passed, even before the end of the term is published.
     pub fn leader(&self) -> Option<String> {
         match self.inner.shared.status.get() {
-            LeaderStatus::Leading(_) => Some(self.inner.shared.config.identity.clone()),
+            LeaderStatus::Leading(l) if l.is_valid() => {
+                Some(self.inner.shared.config.identity.clone())
+            }
+            LeaderStatus::Leading(_) | LeaderStatus::Stopped => None,
             LeaderStatus::NotLeading { leader } => leader,
-            LeaderStatus::Stopped => None,
         }
     }
 
     /// Health check (client-go's `HealthzAdaptor`): fails when the elector believes it leads but
     /// its term's validity has passed — its last confirmed renewal was sent more than
-    /// `renew_deadline` ago, so its task is stuck — or when its task failed. The same as
+    /// `renew_deadline` ago, so its task is stuck — when its task failed, or when a leader task
+    /// of one of its terms panicked (then for the rest of the elector's life: it has stepped
+    /// down and shut down, see [`run_leader_tasks`](crate::run_leader_tasks)). The same as
     /// [`check_health_within`](Self::check_health_within) with no tolerance.
     ///
     /// # Errors
-    /// [`Error::Unhealthy`], or [`Error::ElectorFailed`].
+    /// [`Error::Unhealthy`], [`Error::ElectorFailed`], or [`Error::LeaderTaskPanicked`].
     pub fn check_health(&self) -> Result<()> {
         self.check_health_within(Duration::ZERO)
     }
 
     /// Health check with a tolerance, as client-go's `HealthzAdaptor` with a timeout: fails
     /// when the elector believes it leads but its last confirmed renewal was sent more than
-    /// `renew_deadline + tolerance` ago, or when its task failed. Use a tolerance for a liveness
-    /// probe that should not restart a process over a short stall.
+    /// `renew_deadline + tolerance` ago, when its task failed, or when a leader task panicked
+    /// (as [`check_health`](Self::check_health)). Use a tolerance for a liveness probe that
+    /// should not restart a process over a short stall. Any tolerance is accepted; one too large
+    /// to add to the renew deadline means "never stale".
     ///
     /// # Errors
-    /// [`Error::Unhealthy`], or [`Error::ElectorFailed`].
+    /// [`Error::Unhealthy`], [`Error::ElectorFailed`], or [`Error::LeaderTaskPanicked`].
     pub fn check_health_within(&self, tolerance: Duration) -> Result<()> {
         if let Some(e) = self.inner.shared.failure() {
             return Err(e);
         }
         let cfg = &self.inner.shared.config;
+        if let Some(message) = self
+            .inner
+            .shared
+            .task_panicked
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+        {
+            return Err(Error::LeaderTaskPanicked {
+                key: cfg.key.to_string(),
+                identity: cfg.identity.clone(),
+                message,
+            });
+        }
         if let LeaderStatus::Leading(l) = self.inner.shared.status.get() {
             let now = Instant::now();
             let stale = match l.valid_until() {
                 Some(v) => {
-                    let since = (now + cfg.renew_deadline).saturating_duration_since(v);
-                    (since > cfg.renew_deadline + tolerance).then_some(since)
+                    // Since the last confirmed renewal was sent: now - (v - renew_deadline).
+                    let since = now
+                        .saturating_duration_since(v)
+                        .saturating_add(cfg.renew_deadline);
+                    (since > cfg.renew_deadline.saturating_add(tolerance)).then_some(since)
                 }
                 None => (!l.is_valid()).then_some(cfg.renew_deadline),
             };
@@ -639,6 +693,15 @@ impl Elector {
     /// was not held). Any duration is accepted; one too large to represent means "until
     /// shutdown".
     ///
+    /// **Called from inside a leader task of this elector's own term** (the task future that
+    /// [`run_leader_tasks`](crate::run_leader_tasks) runs, or a k0s lease callback), it cannot
+    /// wait for the release — the release waits for that task to return — so it returns as soon
+    /// as the step-down has begun: the status no longer says `Leading` for that term, and the
+    /// task's context is cancelled (cause [`StopCause::SteppedDown`](crate::StopCause::SteppedDown)).
+    /// The lease is released once the task (and every other guard of the term) has returned, so
+    /// the task should return soon after. A task it spawned with `tokio::spawn` is not "inside";
+    /// there the call waits for the release as usual.
+    ///
     /// # Errors
     /// [`Error::Shutdown`] when the elector has shut down; [`Error::ElectorFailed`] when its task
     /// failed.
@@ -655,16 +718,62 @@ impl Elector {
                     key: self.inner.shared.config.key.to_string(),
                 })
         };
+        let own = self.callers_own_term();
         self.inner
             .shared
             .commands
             .send(Command::Yield(duration, tx))
             .map_err(|_| gone())?;
-        rx.await.map_err(|_| gone())
+        match own {
+            None => rx.await.map_err(|_| gone()),
+            Some(cell) => {
+                tokio::select! {
+                    r = rx => r.map_err(|_| gone()),
+                    () = self.stepped_down_from(&cell) => match self.inner.shared.failure() {
+                        Some(e) => Err(e),
+                        None => Ok(()),
+                    },
+                }
+            }
+        }
+    }
+
+    /// The validity cell of this elector's current (or draining) term when the caller runs
+    /// inside a leader task (or a k0s lease callback) of that term.
+    fn callers_own_term(&self) -> Option<Arc<Mutex<Validity>>> {
+        let caller = crate::tasks::caller_term()?;
+        let current = self
+            .inner
+            .shared
+            .validity
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()?;
+        (std::ptr::eq(caller.as_ptr(), Arc::as_ptr(&current))).then_some(current)
+    }
+
+    /// Resolves once the status no longer says `Leading` for the term with validity `cell`.
+    async fn stepped_down_from(&self, cell: &Arc<Mutex<Validity>>) {
+        loop {
+            let (status, changed) = self.current_status();
+            match &status {
+                LeaderStatus::Leading(l) if l.has_validity_cell(cell) => {}
+                _ => return,
+            }
+            drop(status);
+            changed.await;
+        }
     }
 
     /// Shuts the elector down in order (see the [module docs](self)) and waits until it has
     /// released the lease and stopped. Concurrent and repeated calls all wait for the same end.
+    ///
+    /// **Called from inside a leader task of this elector's own term** (see
+    /// [`yield_for`](Self::yield_for)), it cannot wait for the release, which waits for that
+    /// task: it returns once the step-down has begun (the status no longer says `Leading` for
+    /// that term); the release and the stop follow once the task has returned. Await
+    /// [`stopped`](Self::stopped) elsewhere, or call `shutdown` again from outside the task, to
+    /// wait for the end.
     ///
     /// # Errors
     /// [`Error::ElectorFailed`] when the elector's task failed (it panicked): its term, if any,
@@ -674,6 +783,13 @@ impl Elector {
     /// Cancel safe: the shutdown goes ahead in the background if this future is dropped.
     pub async fn shutdown(&self) -> Result<()> {
         self.inner.shared.commands.request_shutdown();
+        if let Some(cell) = self.callers_own_term() {
+            self.stepped_down_from(&cell).await;
+            return match self.inner.shared.failure() {
+                Some(e) => Err(e),
+                None => Ok(()),
+            };
+        }
         let task = self
             .inner
             .task
@@ -868,6 +984,12 @@ impl Driver {
                         .validity
                         .lock()
                         .unwrap_or_else(|e| e.into_inner()) = Some(l.validity_cell());
+                    let shared = Arc::downgrade(&self.shared);
+                    l.set_panic_hook(Box::new(move |message| {
+                        if let Some(shared) = shared.upgrade() {
+                            shared.leader_task_panicked(message);
+                        }
+                    }));
                     self.shared.status.set(LeaderStatus::Leading(l.clone()));
                     *self
                         .shared

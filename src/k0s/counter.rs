@@ -17,9 +17,9 @@ use tokio_util::sync::CancellationToken;
 use tracing::{Instrument, debug, info, warn};
 
 use crate::elector::machine::MAX_RECORD_LEASE_DURATION;
-use crate::elector::{Elector, ElectorConfig, default_identity};
+use crate::elector::{Elector, ElectorConfig, MAX_TIMING, default_identity};
 use crate::error::{Error, Result};
-use crate::status::LeaderStatus;
+use crate::status::{LeaderStatus, instant_after};
 use crate::store::{
     DynLeaseStore, KeyPrefix, LeaseKey, LeaseRecord, Version, WatchEvent, WatchStream,
 };
@@ -55,6 +55,8 @@ pub struct CounterConfig {
     pub doorbell: Option<LeaseKey>,
     /// How often the prefix is re-listed while the doorbell is watched (a safety net for
     /// members that do not ring it, such as foreign writers). Default: the lease duration.
+    /// Greater than zero and at most [`MAX_TIMING`](crate::elector::MAX_TIMING) (one day), as
+    /// the three timings; [`ControllerCounter::start`] rejects other values.
     pub relist_interval: Duration,
     /// How far another controller's wall clock may lag behind this one's, for leases found at
     /// start-up (default [`DEFAULT_SKEW_TOLERANCE`], 5 s). A lease found by the counter's first
@@ -149,6 +151,25 @@ impl CounterConfig {
             return Err(Error::InvalidConfig(
                 "relist_interval must be greater than zero".into(),
             ));
+        }
+        if self.relist_interval > MAX_TIMING {
+            return Err(Error::InvalidConfig(format!(
+                "relist_interval ({:?}) is longer than the maximum of {MAX_TIMING:?}",
+                self.relist_interval
+            )));
+        }
+        // The lease's own timings, checked here too so that the error names the counter's
+        // fields before an elector is spawned.
+        for (name, d) in [
+            ("lease_duration", self.lease_duration),
+            ("renew_deadline", self.renew_deadline),
+            ("retry_period", self.retry_period),
+        ] {
+            if d > MAX_TIMING {
+                return Err(Error::InvalidConfig(format!(
+                    "{name} ({d:?}) is longer than the maximum of {MAX_TIMING:?}"
+                )));
+            }
         }
         Ok(())
     }
@@ -312,7 +333,7 @@ impl ControllerCounter {
                 if last != Some(n) {
                     last = Some(n);
                     let f = f.clone();
-                    super::callbacks::invoke(Arc::new(move || f(n)), "count", 0).await;
+                    super::callbacks::invoke(Arc::new(move || f(n)), "count", 0, None).await;
                 }
                 tokio::select! {
                     () = cancel.cancelled() => return,
@@ -465,11 +486,11 @@ impl Counting {
                 match self.relist().await {
                     Ok(()) => {
                         not_before = None;
-                        next_relist = Instant::now() + self.relist_every();
+                        next_relist = instant_after(Instant::now(), self.relist_every());
                     }
                     Err(e) => {
                         warn!(error = %e, "cannot list the controller leases; keeping the last count and retrying");
-                        let retry = Instant::now() + self.config.retry_period;
+                        let retry = instant_after(Instant::now(), self.config.retry_period);
                         not_before = Some(retry);
                         next_relist = retry;
                     }
@@ -483,7 +504,7 @@ impl Counting {
                     // A watch broke: re-read soon, but not in a hot loop.
                     let earliest = self
                         .last_relist
-                        .map_or(Instant::now(), |t| t + self.config.retry_period);
+                        .map_or(Instant::now(), |t| instant_after(t, self.config.retry_period));
                     next_relist = next_relist.min(earliest.max(Instant::now()));
                 },
                 item = next_item(&mut self.doorbell) => match item {
@@ -494,11 +515,11 @@ impl Counting {
                     Some(Err(e)) => {
                         warn!(error = %e, "the doorbell watch failed; watching again at the next re-list");
                         self.doorbell = None;
-                        next_relist = next_relist.min(Instant::now() + self.config.retry_period);
+                        next_relist = next_relist.min(instant_after(Instant::now(), self.config.retry_period));
                     }
                     None => {
                         self.doorbell = None;
-                        next_relist = next_relist.min(Instant::now() + self.config.retry_period);
+                        next_relist = next_relist.min(instant_after(Instant::now(), self.config.retry_period));
                     }
                 },
                 r = self.own_status.changed() => {

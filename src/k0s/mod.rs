@@ -37,6 +37,7 @@ mod pool;
 pub mod conformance;
 
 pub use callbacks::LeaseCallback;
+pub(crate) use callbacks::callback_term;
 pub use counter::{
     ControllerCounter, CountChanged, CounterConfig, DEFAULT_SKEW_TOLERANCE, INITIAL_COUNT,
 };

@@ -22,17 +22,15 @@ use crate::store::{DynLeaseStore, LeaseKey};
 /// [`run_leader_tasks`](crate::run_leader_tasks)); the callback methods are kept for code that
 /// has not migrated yet (see the README section "Migrating from callbacks to current_status").
 pub trait LeaderElector: StatusSource {
-    /// Whether this instance leads right now.
+    /// Whether this instance leads right now: its status is `Leading` and the term is still
+    /// valid by the monotonic clock ([`LeaderStatus::is_leading`]).
     #[deprecated(
         note = "use `current_status()` (and `run_leader_tasks`): a boolean snapshot can be stale by the time it is acted on"
     )]
     fn is_leader(&self) -> bool {
         // Deadline-checked: a term whose validity passed is not leading, even before its end is
         // published.
-        self.current_status()
-            .0
-            .leadership()
-            .is_some_and(Leadership::is_valid)
+        self.current_status().0.is_leading()
     }
 
     /// Registers a callback run each time leadership is acquired (and promptly, if registered
@@ -166,13 +164,19 @@ impl LeaderLease {
     /// callback adapter. Calling it again returns at once. A failure of the elector's task is
     /// logged.
     ///
+    /// Called from inside one of this lease's callbacks (on the callback's thread, for instance
+    /// through `Handle::current().block_on(lease.stop())`), it cannot wait for the callbacks to
+    /// finish — they include the caller — so it returns once the step-down has begun (the
+    /// status no longer says leading); the lost-lease callbacks, the release and the rest of the
+    /// stop follow in the background once the calling callback has returned.
+    ///
     /// # Cancel safety
     /// Cancel safe: the shutdown goes ahead in the background if this future is dropped.
     pub async fn stop(&self) {
         if let Err(e) = self.elector.shutdown().await {
             tracing::error!(error = %e, "the leader lease's elector failed");
         }
-        self.callbacks.stop().await;
+        self.callbacks.stop(|| {}).await;
     }
 }
 
@@ -251,7 +255,9 @@ impl AlwaysLeading {
     /// Ends the term: the status becomes not leading, leader tasks are cancelled with
     /// [`StopCause::SteppedDown`], and the lost-lease callbacks run; once they have, the status
     /// becomes [`LeaderStatus::Stopped`] (so [`run_leader_tasks`](crate::run_leader_tasks)
-    /// returns) and `stop` returns. Calling it again returns at once.
+    /// returns) and `stop` returns. Calling it again returns at once. Called from inside one of
+    /// its own callbacks, it returns once the term has ended, and publishes `Stopped` in the
+    /// background after the callbacks have returned.
     ///
     /// # Cancel safety
     /// Cancel safe: the term has ended once the first poll returned; the callbacks finish in the
@@ -262,8 +268,12 @@ impl AlwaysLeading {
             term.mark_ended(StopCause::SteppedDown);
             self.cell.set(LeaderStatus::NotLeading { leader: None });
         }
-        self.callbacks.stop().await;
-        self.cell.set(LeaderStatus::Stopped);
+        let cell = self.cell.clone();
+        self.callbacks
+            .stop(move || {
+                cell.set(LeaderStatus::Stopped);
+            })
+            .await;
     }
 }
 
