@@ -58,7 +58,10 @@
 //! and above its previous value, so versions keep growing after the counter went back (a restore
 //! from an older snapshot, a failover to a lagging replica, a restart without persistence). The
 //! [fencing seed](leasehold::LeaseStore::fencing_seed) is one above the larger of the counter and
-//! the server clock.
+//! the server clock. The scripts count with exact decimal strings (Lua numbers are doubles,
+//! which stop counting at 2^53); a counter that is not a decimal integer up to `u64::MAX`, or a
+//! version that would exceed it, is refused with a non-retryable [`leasehold::Error::Store`] that
+//! names the key and what to do, and nothing is written.
 //!
 //! **Compare-and-swap** runs as Lua scripts, invoked by SHA (`EVALSHA`) and loaded again when the
 //! server answers `NOSCRIPT` (after a restart or `SCRIPT FLUSH`). A script compares the stored

@@ -7,10 +7,18 @@
 //! | --- | --- | --- |
 //! | `{P}rec:<lease key>` | hash | `v` = version (decimal counter), `d` = record JSON ([`leasehold::codec`]) |
 //! | `{P}index` | sorted set | every lease key, all with score 0 (ordered by name, for `list`) |
-//! | `{P}rev` | string | the namespace revision counter every write increments |
+//! | `{P}rev` | string | the namespace revision counter every write increments (decimal) |
 //!
 //! and the pub/sub channel `{P}chan:<lease key>`, on which every write publishes
 //! `p:<version>:<record JSON>` or `d:<version>` (delete).
+//!
+//! **Exact integers.** Versions, the counter and tokens are unsigned 64-bit integers kept as
+//! decimal strings, and the scripts compute with them as strings (increment, compare by length
+//! and then digit by digit, maximum): Lua numbers are doubles and stop counting at 2^53. The
+//! server clock is read as the exact string of its seconds followed by its six-digit
+//! microseconds. A counter that is not a decimal integer (another type, other
+//! text, above u64::MAX), or a version or token that would exceed u64::MAX, is refused with a
+//! `badnum` reply before anything is written; the store turns it into a typed error.
 //!
 //! Versions come from the namespace counter, like etcd's revisions: they never repeat, also not
 //! after a delete and re-create, so a watcher can drop anything at or below what it has seen.
@@ -37,7 +45,39 @@
 use redis::Script;
 
 /// Shared Lua helpers, prepended to every script.
+///
+/// Every version, counter and token is a decimal string and all arithmetic on them is exact
+/// string arithmetic: Lua numbers are doubles, which lose `+1` at 2^53.
 const PRELUDE: &str = r#"
+local U64_MAX = '18446744073709551615'
+-- s as a canonical decimal (no leading zeros), or nil when s is not a decimal integer.
+local function dec(s)
+  if type(s) ~= 'string' or not string.match(s, '^[0-9]+$') then return nil end
+  local t = string.gsub(s, '^0+', '')
+  if t == '' then return '0' end
+  return t
+end
+-- a < b for canonical decimals: by length, then digit by digit.
+local function dec_lt(a, b)
+  if #a ~= #b then return #a < #b end
+  for i = 1, #a do
+    local x, y = string.byte(a, i), string.byte(b, i)
+    if x ~= y then return x < y end
+  end
+  return false
+end
+local function dec_max(a, b)
+  if dec_lt(a, b) then return b end
+  return a
+end
+-- s + 1 for a canonical decimal.
+local function dec_inc(s)
+  local i = #s
+  while i > 0 and string.byte(s, i) == 57 do i = i - 1 end
+  if i == 0 then return '1' .. string.rep('0', #s) end
+  return string.sub(s, 1, i - 1) .. string.char(string.byte(s, i) + 1) .. string.rep('0', #s - i)
+end
+local function fits(s) return not dec_lt(U64_MAX, s) end
 local function cur(key)
   local t = redis.call('TYPE', key)['ok']
   if t == 'none' then return nil, nil end
@@ -49,30 +89,46 @@ local function cur(key)
   end
   return 'x' .. redis.sha1hex(redis.call('DUMP', key)), false
 end
+-- The server clock in microseconds, exactly: seconds .. six digits of microseconds.
 local function now_us()
   local t = redis.call('TIME')
-  return tonumber(t[1]) * 1000000 + tonumber(t[2])
+  return dec(t[1] .. string.rep('0', 6 - #t[2]) .. t[2]) or '0'
 end
-local function counter(revkey)
-  return tonumber(redis.call('GET', revkey) or '0') or 0
+-- The decimal integer under key ('0' when absent), or nil and the reply that refuses it
+-- ({'badnum', role, what it holds, 'notint'}). A value above u64::MAX is refused too.
+local function stored(key, role)
+  local t = redis.call('TYPE', key)['ok']
+  if t == 'none' then return '0' end
+  if t ~= 'string' then return nil, {'badnum', role, 'a redis ' .. t, 'notint'} end
+  local raw = redis.call('GET', key)
+  local v = dec(raw)
+  if not v or not fits(v) then return nil, {'badnum', role, raw, 'notint'} end
+  return v
 end
-local function bump(revkey, cv)
-  local nv = counter(revkey) + 1
-  local now = now_us()
-  if nv < now then nv = now end
-  local c = tonumber(cv)
-  if c and nv <= c then nv = c + 1 end
-  nv = string.format('%d', nv)
-  redis.call('SET', revkey, nv)
+-- The next version: the largest of the counter plus one, the server clock in microseconds and
+-- the replaced version cv plus one. Or nil and the reply that refuses it ('overflow' when it
+-- would exceed u64::MAX). Writes nothing; the caller SETs the counter to it.
+local function next_version(revkey, cv)
+  local c, e = stored(revkey, 'counter')
+  if not c then return nil, e end
+  if not fits(dec_inc(c)) then return nil, {'badnum', 'counter', c, 'overflow'} end
+  local nv = dec_max(dec_inc(c), now_us())
+  local r = dec(cv)
+  if r then
+    if not fits(dec_inc(r)) then return nil, {'badnum', 'version', r, 'overflow'} end
+    nv = dec_max(nv, dec_inc(r))
+  end
   return nv
 end
 "#;
 
 /// KEYS: rec, rev. Returns `{kind, version, data, rev}` with kind `none`, `rec` or `foreign`
-/// (then `data` is the Redis type).
+/// (then `data` is the Redis type); `rev` is the counter as stored (`0` when it is missing or not
+/// a string: a read never fails on the counter).
 const GET: &str = r#"
 local v, d = cur(KEYS[1])
-local rev = redis.call('GET', KEYS[2]) or '0'
+local rev = '0'
+if redis.call('TYPE', KEYS[2])['ok'] == 'string' then rev = redis.call('GET', KEYS[2]) end
 if v == nil then return {'none', '', '', rev} end
 if d == false then return {'foreign', v, redis.call('TYPE', KEYS[1])['ok'], rev} end
 return {'rec', v, d, rev}
@@ -94,10 +150,13 @@ end
 return out
 "#;
 
-/// KEYS: rec, index, rev. ARGV: data, lease key, channel. Returns `{'exists'}` or `{'ok', v}`.
+/// KEYS: rec, index, rev. ARGV: data, lease key, channel. Returns `{'exists'}`, a `badnum`
+/// reply or `{'ok', v}`.
 const CREATE: &str = r#"
 if redis.call('EXISTS', KEYS[1]) == 1 then return {'exists'} end
-local nv = bump(KEYS[3], nil)
+local nv, e = next_version(KEYS[3], nil)
+if not nv then return e end
+redis.call('SET', KEYS[3], nv)
 redis.call('HSET', KEYS[1], 'v', nv, 'd', ARGV[1])
 redis.call('ZADD', KEYS[2], 0, ARGV[2])
 redis.call('PUBLISH', ARGV[3], 'p:' .. nv .. ':' .. ARGV[1])
@@ -105,12 +164,14 @@ return {'ok', nv}
 "#;
 
 /// KEYS: rec, index, rev. ARGV: expected, data, lease key, channel.
-/// Returns `{'notfound'}`, `{'conflict', current}` or `{'ok', v}`.
+/// Returns `{'notfound'}`, `{'conflict', current}`, a `badnum` reply or `{'ok', v}`.
 const UPDATE: &str = r#"
 local cv = cur(KEYS[1])
 if cv == nil then return {'notfound'} end
 if cv ~= ARGV[1] then return {'conflict', cv} end
-local nv = bump(KEYS[3], cv)
+local nv, e = next_version(KEYS[3], cv)
+if not nv then return e end
+redis.call('SET', KEYS[3], nv)
 redis.call('DEL', KEYS[1])
 redis.call('HSET', KEYS[1], 'v', nv, 'd', ARGV[2])
 redis.call('ZADD', KEYS[2], 0, ARGV[3])
@@ -119,27 +180,31 @@ return {'ok', nv}
 "#;
 
 /// KEYS: rec, index, rev. ARGV: expected, lease key, channel.
-/// Returns `{'notfound'}`, `{'conflict', current}` or `{'ok', v}`.
+/// Returns `{'notfound'}`, `{'conflict', current}`, a `badnum` reply or `{'ok', v}`.
 const DELETE: &str = r#"
 local cv = cur(KEYS[1])
 if cv == nil then return {'notfound'} end
 if cv ~= ARGV[1] then return {'conflict', cv} end
-local nv = bump(KEYS[3], cv)
+local nv, e = next_version(KEYS[3], cv)
+if not nv then return e end
+redis.call('SET', KEYS[3], nv)
 redis.call('DEL', KEYS[1])
 redis.call('ZREM', KEYS[2], ARGV[2])
 redis.call('PUBLISH', ARGV[3], 'd:' .. nv)
 return {'ok', nv}
 "#;
 
-/// KEYS: rec, rev. Returns the fencing seed: one above the largest of the namespace counter, the
-/// key's version (when it is one of ours) and the server clock in microseconds. Writes nothing.
+/// KEYS: rec, rev. Returns `{'ok', seed}`: one above the largest of the namespace counter, the
+/// key's version (when it is one of ours) and the server clock in microseconds; or a `badnum`
+/// reply (role `token` with `overflow` when no seed fits in a u64). Writes nothing.
 const SEED: &str = r#"
-local s = counter(KEYS[2])
-local c = tonumber((cur(KEYS[1])))
-if c and c > s then s = c end
-local now = now_us()
-if now > s then s = now end
-return string.format('%d', s + 1)
+local s, e = stored(KEYS[2], 'counter')
+if not s then return e end
+s = dec_max(s, now_us())
+local c = dec((cur(KEYS[1])))
+if c then s = dec_max(s, c) end
+if not fits(dec_inc(s)) then return {'badnum', 'token', s, 'overflow'} end
+return {'ok', dec_inc(s)}
 "#;
 
 /// One script: its source and SHA-1.

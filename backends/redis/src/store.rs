@@ -616,9 +616,25 @@ impl Inner {
         call: Call<'_>,
         expected: Option<&Version>,
     ) -> leasehold::Result<Version> {
-        let reply: Vec<Vec<u8>> = self.invoke(operation, call).await?;
+        let reply = self.write_reply(operation, key, call, expected).await?;
+        match reply.as_slice() {
+            [v] => Ok(Version::new(text(v))),
+            _ => Err(unexpected(operation, &reply)),
+        }
+    }
+
+    /// Runs a write script and returns what follows `ok` in its reply, or the typed error of
+    /// any other reply.
+    async fn write_reply(
+        &self,
+        operation: &'static str,
+        key: &LeaseKey,
+        call: Call<'_>,
+        expected: Option<&Version>,
+    ) -> leasehold::Result<Vec<Vec<u8>>> {
+        let mut reply: Vec<Vec<u8>> = self.invoke(operation, call).await?;
         match reply.first().map(Vec::as_slice) {
-            Some(b"ok") if reply.len() == 2 => Ok(Version::new(text(&reply[1]))),
+            Some(b"ok") => Ok(reply.split_off(1)),
             Some(b"exists") => Err(leasehold::Error::AlreadyExists {
                 key: key.to_string(),
             }),
@@ -629,8 +645,69 @@ impl Inner {
                 key: key.to_string(),
                 expected: expected.cloned().unwrap_or_else(|| Version::new("")),
             }),
+            Some(b"badnum") => Err(self.refused(operation, key, &reply)),
             _ => Err(unexpected(operation, &reply)),
         }
+    }
+
+    /// The error for a `badnum` reply `{'badnum', role, value, reason}`: a counter, version or
+    /// token the scripts cannot count on exactly (see [`crate::scripts`]).
+    fn refused(
+        &self,
+        operation: &'static str,
+        key: &LeaseKey,
+        reply: &[Vec<u8>],
+    ) -> leasehold::Error {
+        let [_, role, held, reason] = reply else {
+            return unexpected(operation, reply);
+        };
+        let held = shown(held);
+        let k = &self.keys;
+        let message = match (role.as_slice(), reason.as_slice()) {
+            (b"token", b"overflow") => {
+                return leasehold::Error::TokenExhausted {
+                    key: key.to_string(),
+                    last: held.parse().unwrap_or(u64::MAX),
+                };
+            }
+            (b"counter", b"notint") => format!(
+                "the namespace counter {} holds {held:?}, which is not a decimal integer of at \
+                 most {U64_MAX}; set it to a decimal integer no lower than the highest version \
+                 in the namespace (deleting it lets versions continue from the server clock in \
+                 microseconds)",
+                k.rev()
+            ),
+            (b"counter", b"overflow") => format!(
+                "the namespace counter {} holds {held}, and the next version would exceed \
+                 {U64_MAX} (the largest 64-bit version); versions cannot continue in this \
+                 namespace: move the leases to a new prefix",
+                k.rev()
+            ),
+            (b"version", b"overflow") => format!(
+                "the record {} has version {held}, and the next version would exceed {U64_MAX} \
+                 (the largest 64-bit version); delete the record key (the lease is then vacant)",
+                k.record(key.as_str())
+            ),
+            _ => return unexpected(operation, reply),
+        };
+        leasehold::Error::Store {
+            store: STORE,
+            message: format!("{operation}: {message}"),
+            retryable: false,
+            source: None,
+        }
+    }
+}
+
+/// The largest version and token: u64::MAX.
+const U64_MAX: u64 = u64::MAX;
+
+/// A value from the server for an error message: at most 64 characters of it.
+fn shown(b: &[u8]) -> String {
+    let t = text(b);
+    match t.char_indices().nth(64) {
+        Some((i, _)) => format!("{}…", &t[..i]),
+        None => t,
     }
 }
 
@@ -769,13 +846,16 @@ impl LeaseStore for RedisStore {
         let call = (self.inner.scripts.seed.call())
             .key(k.record(key.as_str()))
             .key(k.rev());
-        let seed: String = self.inner.invoke("fencing_seed", call).await?;
-        seed.parse().map_err(|_| leasehold::Error::Store {
-            store: STORE,
-            message: format!("fencing_seed: unexpected script reply {seed:?}"),
-            retryable: false,
-            source: None,
-        })
+        let reply = self
+            .inner
+            .write_reply("fencing_seed", key, call, None)
+            .await?;
+        match reply.as_slice() {
+            [seed] => text(seed)
+                .parse()
+                .map_err(|_| unexpected("fencing_seed", &reply)),
+            _ => Err(unexpected("fencing_seed", &reply)),
+        }
     }
 }
 
