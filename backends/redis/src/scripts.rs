@@ -8,6 +8,7 @@
 //! | `{P}rec:<lease key>` | hash | `v` = version (decimal counter), `d` = record JSON ([`leasehold::codec`]) |
 //! | `{P}index` | sorted set | every lease key, all with score 0 (ordered by name, for `list`) |
 //! | `{P}rev` | string | the namespace revision counter every write increments (decimal) |
+//! | `{P}tok:<lease key>` | string | the last fencing token an acquisition assigned for the key (decimal); kept when the record is deleted |
 //!
 //! and the pub/sub channel `{P}chan:<lease key>`, on which every write publishes
 //! `p:<version>:<record JSON>` or `d:<version>` (delete).
@@ -16,7 +17,7 @@
 //! decimal strings, and the scripts compute with them as strings (increment, compare by length
 //! and then digit by digit, maximum): Lua numbers are doubles and stop counting at 2^53. The
 //! server clock is read as the exact string of its seconds followed by its six-digit
-//! microseconds. A counter that is not a decimal integer (another type, other
+//! microseconds. A counter or high-water mark that is not a decimal integer (another type, other
 //! text, above u64::MAX), or a version or token that would exceed u64::MAX, is refused with a
 //! `badnum` reply before anything is written; the store turns it into a typed error.
 //!
@@ -32,9 +33,18 @@
 //! than a million writes a second were sustained before the loss, which pushes the counter ahead
 //! of the clock.)
 //!
-//! The fencing seed ([`LeaseStore::fencing_seed`](leasehold::LeaseStore::fencing_seed)) is read
-//! by a script that writes nothing: one above the largest of the counter, the key's version and
-//! the server clock in microseconds.
+//! **Fencing tokens** are assigned at commit by the acquire script
+//! ([`LeaseStore::acquire`](leasehold::LeaseStore::acquire)): the largest of the write's new
+//! version, the key's high-water mark `{P}tok:<lease key>` plus one, and the caller's floor.
+//! The script writes that token into the record JSON as `leaderTransitions` and into the
+//! high-water mark, in the same atomic step as the write. So a token is strictly above every
+//! token assigned for the key before while the high-water mark survives (a delete keeps it),
+//! and never below the server clock in microseconds, like the versions it is built from.
+//!
+//! The fencing seed ([`LeaseStore::fencing_seed`](leasehold::LeaseStore::fencing_seed), for an
+//! elector that cannot use `acquire`) is read by a script that writes nothing: one above the
+//! largest of the counter, the key's version, the key's high-water mark and the server clock in
+//! microseconds.
 //!
 //! Data under a record key that is not such a hash (another type, a hash without `v`/`d`) is
 //! foreign. Its version is `x` followed by the SHA-1 of its `DUMP` serialisation: it stays the same
@@ -179,6 +189,38 @@ redis.call('PUBLISH', ARGV[4], 'p:' .. nv .. ':' .. ARGV[2])
 return {'ok', nv}
 "#;
 
+/// KEYS: rec, index, rev, tok. ARGV: `create` or `update`, expected (ignored by `create`),
+/// record JSON before the token, record JSON after the token, floor, lease key, channel.
+///
+/// An acquisition: like CREATE or UPDATE, with the fencing token assigned here, at commit: the
+/// largest of the new version, the key's token high-water mark plus one and the floor. The
+/// record is written with that token as its `leaderTransitions`, and the high-water mark is set
+/// to it. Returns `{'exists'}`, `{'notfound'}`, `{'conflict', current}`, a `badnum` reply (role
+/// `token` with `overflow`: no higher token exists; nothing is written) or `{'ok', v, token}`.
+const ACQUIRE: &str = r#"
+local cv = cur(KEYS[1])
+if ARGV[1] == 'create' then
+  if cv ~= nil then return {'exists'} end
+else
+  if cv == nil then return {'notfound'} end
+  if cv ~= ARGV[2] then return {'conflict', cv} end
+end
+local nv, e = next_version(KEYS[3], cv)
+if not nv then return e end
+local last, e2 = stored(KEYS[4], 'token')
+if not last then return e2 end
+if not fits(dec_inc(last)) then return {'badnum', 'token', last, 'overflow'} end
+local token = dec_max(dec_max(nv, dec_inc(last)), dec(ARGV[5]) or '0')
+local data = ARGV[3] .. token .. ARGV[4]
+redis.call('SET', KEYS[3], nv)
+redis.call('SET', KEYS[4], token)
+redis.call('DEL', KEYS[1])
+redis.call('HSET', KEYS[1], 'v', nv, 'd', data)
+redis.call('ZADD', KEYS[2], 0, ARGV[6])
+redis.call('PUBLISH', ARGV[7], 'p:' .. nv .. ':' .. data)
+return {'ok', nv, token}
+"#;
+
 /// KEYS: rec, index, rev. ARGV: expected, lease key, channel.
 /// Returns `{'notfound'}`, `{'conflict', current}`, a `badnum` reply or `{'ok', v}`.
 const DELETE: &str = r#"
@@ -194,13 +236,16 @@ redis.call('PUBLISH', ARGV[3], 'd:' .. nv)
 return {'ok', nv}
 "#;
 
-/// KEYS: rec, rev. Returns `{'ok', seed}`: one above the largest of the namespace counter, the
-/// key's version (when it is one of ours) and the server clock in microseconds; or a `badnum`
-/// reply (role `token` with `overflow` when no seed fits in a u64). Writes nothing.
+/// KEYS: rec, rev, tok. Returns `{'ok', seed}`: one above the largest of the namespace counter,
+/// the key's version (when it is one of ours), the key's token high-water mark and the server
+/// clock in microseconds; or a `badnum` reply (role `token` with `overflow` when no seed fits
+/// in a u64). Writes nothing.
 const SEED: &str = r#"
 local s, e = stored(KEYS[2], 'counter')
 if not s then return e end
-s = dec_max(s, now_us())
+local t, e2 = stored(KEYS[3], 'token')
+if not t then return e2 end
+s = dec_max(dec_max(s, t), now_us())
 local c = dec((cur(KEYS[1])))
 if c then s = dec_max(s, c) end
 if not fits(dec_inc(s)) then return {'badnum', 'token', s, 'overflow'} end
@@ -295,6 +340,7 @@ pub(crate) struct Scripts {
     pub(crate) create: Lua,
     pub(crate) update: Lua,
     pub(crate) delete: Lua,
+    pub(crate) acquire: Lua,
     pub(crate) seed: Lua,
 }
 
@@ -306,6 +352,7 @@ impl Scripts {
             create: Lua::new(CREATE),
             update: Lua::new(UPDATE),
             delete: Lua::new(DELETE),
+            acquire: Lua::new(ACQUIRE),
             seed: Lua::new(SEED),
         }
     }

@@ -8,7 +8,8 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use leasehold::{
-    Capabilities, KeyPrefix, LeaseKey, LeaseRecord, LeaseStore, Version, Versioned, WatchStream,
+    Acquired, Capabilities, KeyPrefix, LeaseKey, LeaseRecord, LeaseStore, Version, Versioned,
+    WatchStream,
 };
 use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
 use redis::cluster::{ClusterClient, ClusterClientBuilder, ClusterConfig};
@@ -153,6 +154,9 @@ impl Keys {
     }
     pub(crate) fn rev(&self) -> String {
         format!("{}rev", self.tag)
+    }
+    pub(crate) fn token(&self, key: &str) -> String {
+        format!("{}tok:{key}", self.tag)
     }
     pub(crate) fn channel(&self, key: &str) -> String {
         format!("{}chan:{key}", self.tag)
@@ -688,6 +692,12 @@ impl Inner {
                  (the largest 64-bit version); delete the record key (the lease is then vacant)",
                 k.record(key.as_str())
             ),
+            (b"token", b"notint") => format!(
+                "the token high-water mark {} holds {held:?}, which is not a decimal integer of \
+                 at most {U64_MAX}; set it to a decimal integer no lower than the lease's highest \
+                 fencing token",
+                k.token(key.as_str())
+            ),
             _ => return unexpected(operation, reply),
         };
         leasehold::Error::Store {
@@ -711,6 +721,30 @@ fn shown(b: &[u8]) -> String {
     }
 }
 
+/// The record JSON of an acquisition split around its token: `head` ends with
+/// `"leaderTransitions":` and `tail` is the rest, so the acquire script writes
+/// `head .. token .. tail`, a plain record carrying the token it assigned.
+fn acquisition_parts(record: &LeaseRecord) -> leasehold::Result<(Vec<u8>, Vec<u8>)> {
+    const FIELD: &[u8] = b"\"leaderTransitions\":0";
+    let bytes = leasehold::codec::encode(&LeaseRecord {
+        transitions: 0,
+        ..record.clone()
+    });
+    // Inside JSON strings every `"` is escaped, so the field name with its quotes and colon
+    // occurs once: as the key.
+    let at = bytes
+        .windows(FIELD.len())
+        .position(|w| w == FIELD)
+        .ok_or_else(|| leasehold::Error::Store {
+            store: STORE,
+            message: "acquire: the encoded record has no leaderTransitions field".into(),
+            retryable: false,
+            source: None,
+        })?;
+    let digit = at + FIELD.len() - 1;
+    Ok((bytes[..digit].to_vec(), bytes[digit + 1..].to_vec()))
+}
+
 #[async_trait]
 impl LeaseStore for RedisStore {
     fn name(&self) -> &'static str {
@@ -718,7 +752,9 @@ impl LeaseStore for RedisStore {
     }
 
     fn capabilities(&self) -> Capabilities {
-        Capabilities::WATCH.with_operation_timeout(self.inner.config.operation_timeout)
+        Capabilities::WATCH
+            .with_commit_tokens()
+            .with_operation_timeout(self.inner.config.operation_timeout)
     }
 
     async fn get(&self, key: &LeaseKey) -> leasehold::Result<Option<Versioned>> {
@@ -841,11 +877,56 @@ impl LeaseStore for RedisStore {
         Ok(out)
     }
 
+    /// One script, atomic: the token is the largest of the write's new version (never below
+    /// the server clock in microseconds), the key's token high-water mark plus one (kept across
+    /// deletes of the record) and the record's `transitions` (the caller's floor). The record is
+    /// stored with that token and the high-water mark is raised to it.
+    async fn acquire(
+        &self,
+        key: &LeaseKey,
+        record: &LeaseRecord,
+        expected: Option<&Version>,
+    ) -> leasehold::Result<Acquired> {
+        let k = &self.inner.keys;
+        let (head, tail) = acquisition_parts(record)?;
+        let (mode, expected_arg) = match expected {
+            None => ("create", ""),
+            Some(v) => ("update", v.as_str()),
+        };
+        let inv = (self.inner.scripts.acquire.call())
+            .key(k.record(key.as_str()))
+            .key(k.index())
+            .key(k.rev())
+            .key(k.token(key.as_str()))
+            .arg(mode)
+            .arg(expected_arg)
+            .arg(head)
+            .arg(tail)
+            .arg(record.transitions.to_string())
+            .arg(key.as_str())
+            .arg(k.channel(key.as_str()));
+        let reply = self
+            .inner
+            .write_reply("acquire", key, inv, expected)
+            .await?;
+        match reply.as_slice() {
+            [v, token] => match text(token).parse() {
+                Ok(fencing_token) => Ok(Acquired {
+                    version: Version::new(text(v)),
+                    fencing_token,
+                }),
+                Err(_) => Err(unexpected("acquire", &reply)),
+            },
+            _ => Err(unexpected("acquire", &reply)),
+        }
+    }
+
     async fn fencing_seed(&self, key: &LeaseKey) -> leasehold::Result<u64> {
         let k = &self.inner.keys;
         let call = (self.inner.scripts.seed.call())
             .key(k.record(key.as_str()))
-            .key(k.rev());
+            .key(k.rev())
+            .key(k.token(key.as_str()));
         let reply = self
             .inner
             .write_reply("fencing_seed", key, call, None)
@@ -870,7 +951,42 @@ impl fmt::Debug for RedisStore {
 
 #[cfg(test)]
 mod tests {
-    use super::policy_can_evict_leases;
+    use super::{acquisition_parts, policy_can_evict_leases};
+    use leasehold::{LeaseKey, LeaseRecord, codec};
+    use std::time::{Duration, SystemTime};
+
+    #[test]
+    fn an_acquisition_spliced_around_its_token_decodes_to_that_token() {
+        let key = LeaseKey::new("k").expect("a valid key");
+        for holder in [
+            "a",
+            "\"leaderTransitions\":0",
+            "x\\\"leaderTransitions\":0,",
+        ] {
+            let record = LeaseRecord {
+                holder_identity: holder.into(),
+                lease_duration: Duration::from_secs(15),
+                acquire_time: Some(SystemTime::UNIX_EPOCH),
+                renew_time: None,
+                transitions: 7,
+            };
+            let (head, tail) = acquisition_parts(&record).expect("the record has the field");
+            for token in [1u64, 9_007_199_254_740_993, u64::MAX] {
+                let mut bytes = head.clone();
+                bytes.extend_from_slice(token.to_string().as_bytes());
+                bytes.extend_from_slice(&tail);
+                let back = codec::decode(&key, &bytes, None).expect("the spliced record decodes");
+                assert_eq!(
+                    back,
+                    LeaseRecord {
+                        transitions: token,
+                        ..record.clone()
+                    },
+                    "{holder}"
+                );
+            }
+        }
+    }
 
     #[test]
     fn only_allkeys_policies_can_evict_lease_keys() {

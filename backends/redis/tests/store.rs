@@ -358,6 +358,11 @@ fn counter_key(s: &leasehold_redis::RedisStore) -> String {
     format!("{{{}}}rev", s.config().prefix())
 }
 
+/// The token high-water mark of `k` in the namespace of `s`.
+fn token_key(s: &leasehold_redis::RedisStore, k: &leasehold::LeaseKey) -> String {
+    format!("{{{}}}tok:{}", s.config().prefix(), k.as_str())
+}
+
 fn big(v: &Version) -> u128 {
     v.as_str()
         .parse()
@@ -413,7 +418,7 @@ async fn versions_stay_exact_above_2_pow_53_and_across_a_digit() {
 }
 
 #[tokio::test]
-async fn versions_past_u64_max_are_refused_and_write_nothing() {
+async fn versions_and_tokens_past_u64_max_are_refused_and_write_nothing() {
     let s = store().await;
     let url = shared_url();
     let k = key("top");
@@ -446,6 +451,26 @@ async fn versions_past_u64_max_are_refused_and_write_nothing() {
         (got.record.holder_identity.as_str(), &got.version),
         ("b", &v2)
     );
+
+    // A token high-water mark at u64::MAX: no higher token exists, nothing is written.
+    let fresh = key("exhausted");
+    raw_cmd(&url, redis::cmd("DEL").arg(counter_key(&s))).await;
+    raw_cmd(
+        &url,
+        redis::cmd("SET").arg(token_key(&s, &fresh)).arg(u64::MAX),
+    )
+    .await;
+    match s.acquire(&fresh, &record("a", 1), None).await {
+        Err(Error::TokenExhausted { key, last }) => {
+            assert_eq!((key.as_str(), last), ("exhausted", u64::MAX));
+        }
+        other => panic!("an acquire above the last token: {other:?}"),
+    }
+    assert!(s.get(&fresh).await.unwrap().is_none());
+    assert!(matches!(
+        s.fencing_seed(&fresh).await,
+        Err(Error::TokenExhausted { .. })
+    ));
 }
 
 #[tokio::test]
@@ -480,6 +505,10 @@ async fn a_counter_that_is_not_a_decimal_integer_is_a_typed_error_and_writes_not
         raw_cmd(&url, &set).await;
         for (op, result) in [
             ("create", s.create(&k, &record("a", 1)).await.map(|_| ())),
+            (
+                "acquire",
+                s.acquire(&k, &record("a", 1), None).await.map(|_| ()),
+            ),
             ("fencing_seed", s.fencing_seed(&k).await.map(|_| ())),
         ] {
             match result {
@@ -505,4 +534,60 @@ async fn a_counter_that_is_not_a_decimal_integer_is_a_typed_error_and_writes_not
     raw_cmd(&url, redis::cmd("SET").arg(&rev).arg("7")).await;
     let v = s.create(&k, &record("a", 1)).await.unwrap();
     assert!(big(&v) > 7);
+
+    // A token high-water mark holding garbage refuses the acquisition the same way.
+    raw_cmd(&url, redis::cmd("SET").arg(token_key(&s, &k)).arg("lots")).await;
+    match s.acquire(&k, &record("b", 2), Some(&v)).await {
+        Err(Error::Store {
+            retryable: false,
+            message,
+            ..
+        }) => assert!(
+            message.contains(&format!(
+                "high-water mark {} holds \"lots\"",
+                token_key(&s, &k)
+            )),
+            "{message}"
+        ),
+        other => panic!("acquire with a garbage high-water mark: {other:?}"),
+    }
+    assert_eq!(s.get(&k).await.unwrap().unwrap().version, v);
+}
+
+#[tokio::test]
+async fn an_acquire_after_a_delete_stays_above_a_token_a_floor_raised() {
+    let s = store().await;
+    let url = shared_url();
+    let k = key("floor-then-delete");
+    let high = 1u64 << 60;
+    let v = s.create(&k, &record("foreign", high)).await.unwrap();
+    let a = s
+        .acquire(&k, &record("a", high + 1), Some(&v))
+        .await
+        .unwrap();
+    assert_eq!(a.fencing_token, high + 1);
+    s.delete(&k, &a.version).await.unwrap();
+    // The record is gone, with the floor it carried; the next acquisition asks for no floor.
+    let b = s.acquire(&k, &record("b", 0), None).await.unwrap();
+    println!(
+        "tokens {} then {} after the delete",
+        a.fencing_token, b.fencing_token
+    );
+    assert!(
+        b.fencing_token > a.fencing_token,
+        "{} after {}",
+        b.fencing_token,
+        a.fencing_token
+    );
+    assert!(s.fencing_seed(&k).await.unwrap() > b.fencing_token);
+    // The stored JSON carries the token itself, for any reader.
+    let raw = raw_cmd(&url, redis::cmd("HGET").arg(s.record_key(&k)).arg("d")).await;
+    let redis::Value::BulkString(json) = raw else {
+        panic!("record data {raw:?}")
+    };
+    let stored = leasehold::codec::decode(&k, &json, None).unwrap();
+    assert_eq!(
+        (stored.holder_identity.as_str(), stored.transitions),
+        ("b", b.fencing_token)
+    );
 }
