@@ -73,7 +73,7 @@ async fn expiry_takeover_at_the_exact_instant() {
     let last_renewal = t0 + RETRY * 2;
     let tb = leading(&mut rb).await;
     assert_at("takeover", tb.since(), last_renewal + LEASE);
-    assert_eq!(tb.fencing_token(), la.fencing_token() + 1);
+    assert!(tb.fencing_token() > la.fencing_token(), "the takeover has a higher token");
     a.shutdown().await.expect("the elector shuts down cleanly");
     b.shutdown().await.expect("the elector shuts down cleanly");
 }
@@ -265,7 +265,7 @@ async fn yield_holds_off_for_exactly_the_duration() {
     a.yield_for(Duration::from_secs(42)).await.expect("yield");
     let t1 = leading(&mut ra).await;
     assert_at("re-acquire", t1.since(), start + Duration::from_secs(42));
-    assert_eq!(t1.fencing_token(), t0 + 1);
+    assert!(t1.fencing_token() > t0, "the next term has a higher token");
     a.shutdown().await.expect("the elector shuts down cleanly");
 }
 

@@ -28,6 +28,9 @@
 //!   transaction to tell `Conflict` from `NotFound` in one round trip.
 //! - `watch` uses etcd's watch from the revision after the one the caller saw, and resumes
 //!   after compaction, member restarts and broken streams (see [Watch](#watch)).
+//! - `acquire` is the `create` or `update` transaction with the record of
+//!   [`codec::encode_acquisition`](leasehold::codec::encode_acquisition); its fencing token is
+//!   resolved from the write's `mod_revision` (see [Fencing](#fencing)).
 //! - `list` is one range read over `<prefix><key prefix>`; keys with data that is not a record
 //!   are left out and logged.
 //! - Data under a key that is not a record is [`leasehold::Error::Corrupt`] with the data's
@@ -50,17 +53,24 @@
 //!
 //! # Fencing
 //!
-//! The fencing token leasehold hands to leader tasks (the record's `transitions`) is **strictly
-//! increasing** across terms on etcd, because every acquisition is a linearizable
-//! compare-and-swap on the previous version. etcd's revision offers a second, global token, as
-//! `etcdctl lock` does with `ETCD_LOCK_REV`: the version returned by `create`/`update` is the
-//! write's `mod_revision` ([`revision`] parses it), and
-//! [`EtcdStore::acquisition_revision`] gives the revision of the write that acquired a term.
+//! The fencing token leasehold hands to leader tasks (the record's `transitions`) is assigned
+//! by etcd **at commit** ([`LeaseStore::acquire`](leasehold::LeaseStore::acquire)): it is the
+//! `mod_revision` of the acquiring write, or the caller's floor (one above the token of the
+//! record it replaces) when that is higher. The revision only grows, also across deletes, so
+//! tokens strictly increase across terms, after a delete and re-create, and for a write that
+//! commits late. The record keeps the floor with the marker of
+//! [`codec::encode_acquisition`](leasehold::codec::encode_acquisition), and every read resolves
+//! the token against the key's `mod_revision`. A floor above the revision is not remembered
+//! once the record is deleted; a cluster restored from an older backup goes back in revision.
 //!
-//! [`LeaseStore::fencing_seed`](leasehold::LeaseStore::fencing_seed) is the cluster revision
-//! plus one, read from a linearizable read's response header: it never goes backwards and
-//! exceeds every revision written before, so a record created after a delete starts above
-//! every earlier token.
+//! etcd's revision is also a second, global token, as `etcdctl lock` does with
+//! `ETCD_LOCK_REV`: the version returned by `create`/`update` is the write's `mod_revision`
+//! ([`revision`] parses it), and [`EtcdStore::acquisition_revision`] gives the revision of the
+//! write that acquired a term (the fencing token itself, unless a floor raised it).
+//!
+//! [`LeaseStore::fencing_seed`](leasehold::LeaseStore::fencing_seed) (for an elector that
+//! cannot use `acquire`) is the cluster revision plus one, read from a linearizable read's
+//! response header: it never goes backwards and exceeds every revision written before.
 //!
 //! # Failures and timeouts
 //!

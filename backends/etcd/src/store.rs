@@ -12,8 +12,8 @@ use etcd_client::{
     TxnOp, TxnOpResponse,
 };
 use leasehold::{
-    Capabilities, Error, KeyPrefix, LeaseKey, LeaseRecord, LeaseStore, Result, Version, Versioned,
-    WatchStream, codec,
+    Acquired, Capabilities, Error, KeyPrefix, LeaseKey, LeaseRecord, LeaseStore, Result, Version,
+    Versioned, WatchStream, codec,
 };
 
 use crate::STORE;
@@ -29,19 +29,25 @@ use crate::error::{Error as ConfigError, from_client};
 ///
 /// # Fencing
 ///
-/// The elector's fencing token (the record's `transitions`) is strictly increasing across terms
-/// on etcd: every acquisition is a linearizable compare-and-swap on the previous version, so no
-/// two acquisitions can both build on the same record.
+/// The store assigns fencing tokens at commit ([`LeaseStore::acquire`],
+/// [`Capabilities::commit_tokens`]): an acquisition is written by the same transactions as
+/// `create` and `update`, and its token is the `mod_revision` of that write, or the token the
+/// caller asks for at least (one above the record it replaces) when that is higher. etcd's
+/// revision grows with every write to the cluster and never goes back, also across deletes, so
+/// a write that commits late still gets a token above every revision committed before it.
+/// Followers read the token as the record's `transitions` (the record carries the floor and a
+/// marker; [`codec::decode`] resolves it against the `mod_revision`).
 ///
-/// etcd's own revision is a second token, global across keys, like the `ETCD_LOCK_REV` that
-/// `etcdctl lock` exports: the [`Version`] returned by [`create`](LeaseStore::create) and
-/// [`update`](LeaseStore::update) is the `mod_revision` of that write (parse it with
-/// [`revision`]), and the revision of the write that *acquired* a term is strictly greater than
-/// that of every earlier acquisition. [`EtcdStore::acquisition_revision`] returns it for a term
-/// this store wrote. Hand it to the protected resource, which must reject a lower one. Renewals
-/// change the key's `mod_revision`, so a transaction that guards a write in the same etcd by
-/// comparing the lease key's `mod_revision` must use the version of the latest renewal, not the
-/// acquisition revision.
+/// The revision of the write that *acquired* a term is a second token, global across keys,
+/// like the `ETCD_LOCK_REV` that `etcdctl lock` exports: [`EtcdStore::acquisition_revision`]
+/// returns it for a term this store wrote. For a term acquired by `acquire` it **is** the
+/// fencing token, unless a floor above the revision raised the token. Renewals change the key's
+/// `mod_revision`, so a transaction that guards a write in the same etcd by comparing the lease
+/// key's `mod_revision` must use the version of the latest renewal, not the acquisition
+/// revision.
+///
+/// A floor above the revision (a foreign writer's high token) lives only in the record: once
+/// the record is deleted, a later acquisition gets the revision again, which can be lower.
 #[derive(Clone)]
 pub struct EtcdStore {
     pub(crate) client: Client,
@@ -153,9 +159,11 @@ impl EtcdStore {
 
     /// The etcd revision of the write that acquired the term with fencing token `transitions`
     /// on `key`, if this store (or a clone of it) wrote it: the first of an unbroken chain of
-    /// writes it made carrying that `transitions` value (a create, or an update of a version it
-    /// did not write itself). Strictly increasing across terms, like `ETCD_LOCK_REV`. A delete
-    /// through this store ends the term, so a record created afterwards with the same
+    /// writes it made carrying that `transitions` value (an acquisition, a create, or an update
+    /// of a version it did not write itself). Strictly increasing across terms, like
+    /// `ETCD_LOCK_REV`. For a term acquired by [`LeaseStore::acquire`] (what the elector does on
+    /// etcd) it equals the fencing token unless a floor above the revision raised the token. A
+    /// delete through this store ends the term, so a record created afterwards with the same
     /// `transitions` gets the revision of its own creation.
     ///
     /// ```no_run
@@ -184,7 +192,7 @@ impl EtcdStore {
     fn note_write(
         &self,
         key: &LeaseKey,
-        record: &LeaseRecord,
+        transitions: u64,
         expected: Option<&Version>,
         version: &Version,
     ) {
@@ -193,14 +201,14 @@ impl EtcdStore {
         let mut map = self.acquisitions.lock().unwrap_or_else(|e| e.into_inner());
         match map.get_mut(key) {
             Some(t) if t.last >= rev => {}
-            Some(t) if t.transitions == Some(record.transitions) && Some(t.last) == replaced => {
+            Some(t) if t.transitions == Some(transitions) && Some(t.last) == replaced => {
                 t.last = rev;
             }
             _ => {
                 map.insert(
                     key.clone(),
                     Term {
-                        transitions: Some(record.transitions),
+                        transitions: Some(transitions),
                         acquired: rev,
                         last: rev,
                     },
@@ -358,6 +366,47 @@ impl EtcdStore {
     }
 }
 
+impl EtcdStore {
+    /// Puts `bytes` under a key that does not exist (`create_revision == 0`); the version is the
+    /// write's revision.
+    async fn put_new(
+        &self,
+        operation: &'static str,
+        key: &LeaseKey,
+        bytes: Vec<u8>,
+    ) -> Result<Version> {
+        let full = self.etcd_key(key);
+        let txn = Txn::new()
+            .when([Compare::create_revision(full.clone(), CompareOp::Equal, 0)])
+            .and_then([TxnOp::put(full, bytes, None)]);
+        let resp = self
+            .bounded(operation, || {
+                let (mut kv, txn) = (self.client.kv_client(), txn.clone());
+                async move { kv.txn(txn).await }
+            })
+            .await?;
+        if !resp.succeeded() {
+            return Err(Error::AlreadyExists {
+                key: key.to_string(),
+            });
+        }
+        header_version(operation, resp.header())
+    }
+
+    /// Puts `bytes` over the record at version `expected` (compare-and-swap on `mod_revision`).
+    async fn put_over(
+        &self,
+        operation: &'static str,
+        key: &LeaseKey,
+        expected: &Version,
+        bytes: Vec<u8>,
+    ) -> Result<Version> {
+        let op = TxnOp::put(self.etcd_key(key), bytes, None);
+        let rev = self.cas(operation, key, expected, op).await?;
+        positive(operation, rev)
+    }
+}
+
 const MAX_CONNECT_RETRIES: u32 = 8;
 
 /// `e` with the endpoints in its message when it is [`Error::Unavailable`], so that an
@@ -431,7 +480,9 @@ impl LeaseStore for EtcdStore {
     }
 
     fn capabilities(&self) -> Capabilities {
-        Capabilities::WATCH.with_operation_timeout(self.timeout)
+        Capabilities::WATCH
+            .with_commit_tokens()
+            .with_operation_timeout(self.timeout)
     }
 
     async fn get(&self, key: &LeaseKey) -> Result<Option<Versioned>> {
@@ -448,23 +499,8 @@ impl LeaseStore for EtcdStore {
     }
 
     async fn create(&self, key: &LeaseKey, record: &LeaseRecord) -> Result<Version> {
-        let full = self.etcd_key(key);
-        let txn = Txn::new()
-            .when([Compare::create_revision(full.clone(), CompareOp::Equal, 0)])
-            .and_then([TxnOp::put(full, codec::encode(record), None)]);
-        let resp = self
-            .bounded("create", || {
-                let (mut kv, txn) = (self.client.kv_client(), txn.clone());
-                async move { kv.txn(txn).await }
-            })
-            .await?;
-        if !resp.succeeded() {
-            return Err(Error::AlreadyExists {
-                key: key.to_string(),
-            });
-        }
-        let version = header_version("create", resp.header())?;
-        self.note_write(key, record, None, &version);
+        let version = self.put_new("create", key, codec::encode(record)).await?;
+        self.note_write(key, record.transitions, None, &version);
         Ok(version)
     }
 
@@ -474,11 +510,45 @@ impl LeaseStore for EtcdStore {
         record: &LeaseRecord,
         expected: &Version,
     ) -> Result<Version> {
-        let op = TxnOp::put(self.etcd_key(key), codec::encode(record), None);
-        let rev = self.cas("update", key, expected, op).await?;
-        let version = positive("update", rev)?;
-        self.note_write(key, record, Some(expected), &version);
+        let version = self
+            .put_over("update", key, expected, codec::encode(record))
+            .await?;
+        self.note_write(key, record.transitions, Some(expected), &version);
         Ok(version)
+    }
+
+    /// The same transactions as `create` and `update`, with the record written by
+    /// [`codec::encode_acquisition`]: the fencing token is the `mod_revision` of this write, or
+    /// the record's `transitions` (the caller's floor) when that is higher. etcd's revision only
+    /// grows, also across deletes, so a write that commits late still gets a token above every
+    /// revision committed before it. A floor above the revision is not remembered once the record
+    /// is deleted (nothing stores it but the record), so a later create may get a lower token
+    /// than a floor-raised one before the delete.
+    async fn acquire(
+        &self,
+        key: &LeaseKey,
+        record: &LeaseRecord,
+        expected: Option<&Version>,
+    ) -> Result<Acquired> {
+        let bytes = codec::encode_acquisition(record);
+        let version = match expected {
+            None => self.put_new("acquire", key, bytes).await?,
+            Some(expected) => self.put_over("acquire", key, expected, bytes).await?,
+        };
+        let fencing_token =
+            codec::token_at_version(record.transitions, &version).map_err(|reason| {
+                Error::Store {
+                    store: STORE,
+                    message: format!("acquire: {reason}"),
+                    retryable: false,
+                    source: None,
+                }
+            })?;
+        self.note_write(key, fencing_token, expected, &version);
+        Ok(Acquired {
+            version,
+            fencing_token,
+        })
     }
 
     async fn delete(&self, key: &LeaseKey, expected: &Version) -> Result<()> {

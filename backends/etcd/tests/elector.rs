@@ -31,9 +31,10 @@ async fn record_at(store: &EtcdStore, key: &LeaseKey, rev: i64) -> Option<leaseh
         )
         .await
         .unwrap();
-    resp.kvs()
-        .first()
-        .map(|kv| leasehold::codec::decode(key, kv.value(), None).unwrap())
+    resp.kvs().first().map(|kv| {
+        let version = leasehold::Version::from(kv.mod_revision());
+        leasehold::codec::decode(key, kv.value(), Some(&version)).unwrap()
+    })
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -75,6 +76,8 @@ async fn acquisition_revision_is_the_acquiring_write_and_increases() {
     assert!(wait_for(LIMIT, || a.is_leading()).await.is_some());
     let token_a = a.current_status().0.leadership().unwrap().fencing_token();
     let rev_a = store.acquisition_revision(&key, token_a).unwrap();
+    // The elector acquires with a token assigned at commit: the acquiring write's revision.
+    assert_eq!(u64::try_from(rev_a).ok(), Some(token_a));
     // The write at that revision is a's acquisition, and it stays the same across renewals.
     let rec = record_at(&store, &key, rev_a).await.unwrap();
     assert_eq!(
@@ -97,6 +100,7 @@ async fn acquisition_revision_is_the_acquiring_write_and_increases() {
     let token_b = b.current_status().0.leadership().unwrap().fencing_token();
     assert!(token_b > token_a);
     let rev_b = store.acquisition_revision(&key, token_b).unwrap();
+    assert_eq!(u64::try_from(rev_b).ok(), Some(token_b));
     assert!(rev_b > rev_a, "{rev_b} <= {rev_a}");
     assert_eq!(store.acquisition_revision(&key, token_a), None);
     let rec = record_at(&store, &key, rev_b).await.unwrap();

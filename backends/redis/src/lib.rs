@@ -26,7 +26,10 @@
 //! replica promoted by hand or by Sentinel in front of a proxy),
 //! or the server restarts from an older snapshot or from nothing, an acknowledged write is
 //! lost: a second candidate can acquire a lease the first still believes it holds, so **two
-//! leaders are possible**, and the **fencing token can go backwards**. This is the core of Martin
+//! leaders are possible**. Fencing tokens still grow across such a loss only because they are
+//! never below the server clock in microseconds (see [Data layout](#data-layout)): they go
+//! backwards when the clock went back or a token had been raised above the clock. This is the
+//! core of Martin
 //! Kleppmann's critique of Redlock ("How to do distributed locking", 2016), and it applies to
 //! every Redis lock or lease, this one included.
 //!
@@ -49,16 +52,32 @@
 //! tag `{P}`, so all of them live in one slot and every script touches keys of one slot only:
 //! the record of lease key `k` is the hash `{P}rec:k` with fields `v` (the version) and `d` (the
 //! record as client-go `LeaderElectionRecord` JSON, see [`leasehold::codec`]); the sorted set
-//! `{P}index` names every lease key; the string `{P}rev` is the namespace revision counter. See
-//! the [`scripts`] module.
+//! `{P}index` names every lease key; the string `{P}rev` is the namespace revision counter; the
+//! string `{P}tok:k` is the last fencing token assigned for `k`. See the [`scripts`] module.
 //!
 //! **Versions** are the namespace counter at the time of the write (like etcd's revisions): they
 //! never repeat, also not across a delete and re-create, which lets a watch drop stale messages by
 //! comparing numbers. Every write sets the counter to at least the server clock in microseconds
 //! and above its previous value, so versions keep growing after the counter went back (a restore
 //! from an older snapshot, a failover to a lagging replica, a restart without persistence). The
-//! [fencing seed](leasehold::LeaseStore::fencing_seed) is one above the larger of the counter and
-//! the server clock.
+//! scripts count with exact decimal strings (Lua numbers are doubles, which stop counting at
+//! 2^53); a counter that is not a decimal integer up to `u64::MAX`, or a version that would
+//! exceed it, is refused with a non-retryable [`leasehold::Error::Store`] that names the key and
+//! what to do, and nothing is written.
+//!
+//! **Fencing tokens** are assigned at commit
+//! ([`LeaseStore::acquire`](leasehold::LeaseStore::acquire)) by one script: the largest of the
+//! write's new version, one above the last token assigned for the key (kept in
+//! `{P}tok:<lease key>`, which a delete of the record leaves in place) and the caller's floor.
+//! The record is stored with that token as `leaderTransitions`. So tokens strictly increase
+//! across terms and across delete and re-create, and are never below the server clock in
+//! microseconds; after `FLUSHALL` or a restart without persistence they still start above the
+//! earlier tokens that came from versions (not above a token a floor had raised beyond the
+//! clock, and not when the clock went back). When no higher token fits in a u64, the script
+//! writes nothing and the store answers [`leasehold::Error::TokenExhausted`]. The
+//! [fencing seed](leasehold::LeaseStore::fencing_seed), for an elector that cannot use
+//! `acquire`, is one above the largest of the counter, the key's last token and the server
+//! clock.
 //!
 //! **Compare-and-swap** runs as Lua scripts, invoked by SHA (`EVALSHA`) and loaded again when the
 //! server answers `NOSCRIPT` (after a restart or `SCRIPT FLUSH`). A script compares the stored

@@ -7,10 +7,19 @@
 //! | --- | --- | --- |
 //! | `{P}rec:<lease key>` | hash | `v` = version (decimal counter), `d` = record JSON ([`leasehold::codec`]) |
 //! | `{P}index` | sorted set | every lease key, all with score 0 (ordered by name, for `list`) |
-//! | `{P}rev` | string | the namespace revision counter every write increments |
+//! | `{P}rev` | string | the namespace revision counter every write increments (decimal) |
+//! | `{P}tok:<lease key>` | string | the last fencing token an acquisition assigned for the key (decimal); kept when the record is deleted |
 //!
 //! and the pub/sub channel `{P}chan:<lease key>`, on which every write publishes
 //! `p:<version>:<record JSON>` or `d:<version>` (delete).
+//!
+//! **Exact integers.** Versions, the counter and tokens are unsigned 64-bit integers kept as
+//! decimal strings, and the scripts compute with them as strings (increment, compare by length
+//! and then digit by digit, maximum): Lua numbers are doubles and stop counting at 2^53. The
+//! server clock is read as the exact string of its seconds followed by its six-digit
+//! microseconds. A counter or high-water mark that is not a decimal integer (another type, other
+//! text, above u64::MAX), or a version or token that would exceed u64::MAX, is refused with a
+//! `badnum` reply before anything is written; the store turns it into a typed error.
 //!
 //! Versions come from the namespace counter, like etcd's revisions: they never repeat, also not
 //! after a delete and re-create, so a watcher can drop anything at or below what it has seen.
@@ -24,9 +33,18 @@
 //! than a million writes a second were sustained before the loss, which pushes the counter ahead
 //! of the clock.)
 //!
-//! The fencing seed ([`LeaseStore::fencing_seed`](leasehold::LeaseStore::fencing_seed)) is read
-//! by a script that writes nothing: one above the largest of the counter, the key's version and
-//! the server clock in microseconds.
+//! **Fencing tokens** are assigned at commit by the acquire script
+//! ([`LeaseStore::acquire`](leasehold::LeaseStore::acquire)): the largest of the write's new
+//! version, the key's high-water mark `{P}tok:<lease key>` plus one, and the caller's floor.
+//! The script writes that token into the record JSON as `leaderTransitions` and into the
+//! high-water mark, in the same atomic step as the write. So a token is strictly above every
+//! token assigned for the key before while the high-water mark survives (a delete keeps it),
+//! and never below the server clock in microseconds, like the versions it is built from.
+//!
+//! The fencing seed ([`LeaseStore::fencing_seed`](leasehold::LeaseStore::fencing_seed), for an
+//! elector that cannot use `acquire`) is read by a script that writes nothing: one above the
+//! largest of the counter, the key's version, the key's high-water mark and the server clock in
+//! microseconds.
 //!
 //! Data under a record key that is not such a hash (another type, a hash without `v`/`d`) is
 //! foreign. Its version is `x` followed by the SHA-1 of its `DUMP` serialisation: it stays the same
@@ -37,7 +55,39 @@
 use redis::Script;
 
 /// Shared Lua helpers, prepended to every script.
+///
+/// Every version, counter and token is a decimal string and all arithmetic on them is exact
+/// string arithmetic: Lua numbers are doubles, which lose `+1` at 2^53.
 const PRELUDE: &str = r#"
+local U64_MAX = '18446744073709551615'
+-- s as a canonical decimal (no leading zeros), or nil when s is not a decimal integer.
+local function dec(s)
+  if type(s) ~= 'string' or not string.match(s, '^[0-9]+$') then return nil end
+  local t = string.gsub(s, '^0+', '')
+  if t == '' then return '0' end
+  return t
+end
+-- a < b for canonical decimals: by length, then digit by digit.
+local function dec_lt(a, b)
+  if #a ~= #b then return #a < #b end
+  for i = 1, #a do
+    local x, y = string.byte(a, i), string.byte(b, i)
+    if x ~= y then return x < y end
+  end
+  return false
+end
+local function dec_max(a, b)
+  if dec_lt(a, b) then return b end
+  return a
+end
+-- s + 1 for a canonical decimal.
+local function dec_inc(s)
+  local i = #s
+  while i > 0 and string.byte(s, i) == 57 do i = i - 1 end
+  if i == 0 then return '1' .. string.rep('0', #s) end
+  return string.sub(s, 1, i - 1) .. string.char(string.byte(s, i) + 1) .. string.rep('0', #s - i)
+end
+local function fits(s) return not dec_lt(U64_MAX, s) end
 local function cur(key)
   local t = redis.call('TYPE', key)['ok']
   if t == 'none' then return nil, nil end
@@ -49,30 +99,46 @@ local function cur(key)
   end
   return 'x' .. redis.sha1hex(redis.call('DUMP', key)), false
 end
+-- The server clock in microseconds, exactly: seconds .. six digits of microseconds.
 local function now_us()
   local t = redis.call('TIME')
-  return tonumber(t[1]) * 1000000 + tonumber(t[2])
+  return dec(t[1] .. string.rep('0', 6 - #t[2]) .. t[2]) or '0'
 end
-local function counter(revkey)
-  return tonumber(redis.call('GET', revkey) or '0') or 0
+-- The decimal integer under key ('0' when absent), or nil and the reply that refuses it
+-- ({'badnum', role, what it holds, 'notint'}). A value above u64::MAX is refused too.
+local function stored(key, role)
+  local t = redis.call('TYPE', key)['ok']
+  if t == 'none' then return '0' end
+  if t ~= 'string' then return nil, {'badnum', role, 'a redis ' .. t, 'notint'} end
+  local raw = redis.call('GET', key)
+  local v = dec(raw)
+  if not v or not fits(v) then return nil, {'badnum', role, raw, 'notint'} end
+  return v
 end
-local function bump(revkey, cv)
-  local nv = counter(revkey) + 1
-  local now = now_us()
-  if nv < now then nv = now end
-  local c = tonumber(cv)
-  if c and nv <= c then nv = c + 1 end
-  nv = string.format('%d', nv)
-  redis.call('SET', revkey, nv)
+-- The next version: the largest of the counter plus one, the server clock in microseconds and
+-- the replaced version cv plus one. Or nil and the reply that refuses it ('overflow' when it
+-- would exceed u64::MAX). Writes nothing; the caller SETs the counter to it.
+local function next_version(revkey, cv)
+  local c, e = stored(revkey, 'counter')
+  if not c then return nil, e end
+  if not fits(dec_inc(c)) then return nil, {'badnum', 'counter', c, 'overflow'} end
+  local nv = dec_max(dec_inc(c), now_us())
+  local r = dec(cv)
+  if r then
+    if not fits(dec_inc(r)) then return nil, {'badnum', 'version', r, 'overflow'} end
+    nv = dec_max(nv, dec_inc(r))
+  end
   return nv
 end
 "#;
 
 /// KEYS: rec, rev. Returns `{kind, version, data, rev}` with kind `none`, `rec` or `foreign`
-/// (then `data` is the Redis type).
+/// (then `data` is the Redis type); `rev` is the counter as stored (`0` when it is missing or not
+/// a string: a read never fails on the counter).
 const GET: &str = r#"
 local v, d = cur(KEYS[1])
-local rev = redis.call('GET', KEYS[2]) or '0'
+local rev = '0'
+if redis.call('TYPE', KEYS[2])['ok'] == 'string' then rev = redis.call('GET', KEYS[2]) end
 if v == nil then return {'none', '', '', rev} end
 if d == false then return {'foreign', v, redis.call('TYPE', KEYS[1])['ok'], rev} end
 return {'rec', v, d, rev}
@@ -94,10 +160,13 @@ end
 return out
 "#;
 
-/// KEYS: rec, index, rev. ARGV: data, lease key, channel. Returns `{'exists'}` or `{'ok', v}`.
+/// KEYS: rec, index, rev. ARGV: data, lease key, channel. Returns `{'exists'}`, a `badnum`
+/// reply or `{'ok', v}`.
 const CREATE: &str = r#"
 if redis.call('EXISTS', KEYS[1]) == 1 then return {'exists'} end
-local nv = bump(KEYS[3], nil)
+local nv, e = next_version(KEYS[3], nil)
+if not nv then return e end
+redis.call('SET', KEYS[3], nv)
 redis.call('HSET', KEYS[1], 'v', nv, 'd', ARGV[1])
 redis.call('ZADD', KEYS[2], 0, ARGV[2])
 redis.call('PUBLISH', ARGV[3], 'p:' .. nv .. ':' .. ARGV[1])
@@ -105,12 +174,14 @@ return {'ok', nv}
 "#;
 
 /// KEYS: rec, index, rev. ARGV: expected, data, lease key, channel.
-/// Returns `{'notfound'}`, `{'conflict', current}` or `{'ok', v}`.
+/// Returns `{'notfound'}`, `{'conflict', current}`, a `badnum` reply or `{'ok', v}`.
 const UPDATE: &str = r#"
 local cv = cur(KEYS[1])
 if cv == nil then return {'notfound'} end
 if cv ~= ARGV[1] then return {'conflict', cv} end
-local nv = bump(KEYS[3], cv)
+local nv, e = next_version(KEYS[3], cv)
+if not nv then return e end
+redis.call('SET', KEYS[3], nv)
 redis.call('DEL', KEYS[1])
 redis.call('HSET', KEYS[1], 'v', nv, 'd', ARGV[2])
 redis.call('ZADD', KEYS[2], 0, ARGV[3])
@@ -118,28 +189,67 @@ redis.call('PUBLISH', ARGV[4], 'p:' .. nv .. ':' .. ARGV[2])
 return {'ok', nv}
 "#;
 
+/// KEYS: rec, index, rev, tok. ARGV: `create` or `update`, expected (ignored by `create`),
+/// record JSON before the token, record JSON after the token, floor, lease key, channel.
+///
+/// An acquisition: like CREATE or UPDATE, with the fencing token assigned here, at commit: the
+/// largest of the new version, the key's token high-water mark plus one and the floor. The
+/// record is written with that token as its `leaderTransitions`, and the high-water mark is set
+/// to it. Returns `{'exists'}`, `{'notfound'}`, `{'conflict', current}`, a `badnum` reply (role
+/// `token` with `overflow`: no higher token exists; nothing is written) or `{'ok', v, token}`.
+const ACQUIRE: &str = r#"
+local cv = cur(KEYS[1])
+if ARGV[1] == 'create' then
+  if cv ~= nil then return {'exists'} end
+else
+  if cv == nil then return {'notfound'} end
+  if cv ~= ARGV[2] then return {'conflict', cv} end
+end
+local nv, e = next_version(KEYS[3], cv)
+if not nv then return e end
+local last, e2 = stored(KEYS[4], 'token')
+if not last then return e2 end
+if not fits(dec_inc(last)) then return {'badnum', 'token', last, 'overflow'} end
+local token = dec_max(dec_max(nv, dec_inc(last)), dec(ARGV[5]) or '0')
+local data = ARGV[3] .. token .. ARGV[4]
+redis.call('SET', KEYS[3], nv)
+redis.call('SET', KEYS[4], token)
+redis.call('DEL', KEYS[1])
+redis.call('HSET', KEYS[1], 'v', nv, 'd', data)
+redis.call('ZADD', KEYS[2], 0, ARGV[6])
+redis.call('PUBLISH', ARGV[7], 'p:' .. nv .. ':' .. data)
+return {'ok', nv, token}
+"#;
+
 /// KEYS: rec, index, rev. ARGV: expected, lease key, channel.
-/// Returns `{'notfound'}`, `{'conflict', current}` or `{'ok', v}`.
+/// Returns `{'notfound'}`, `{'conflict', current}`, a `badnum` reply or `{'ok', v}`.
 const DELETE: &str = r#"
 local cv = cur(KEYS[1])
 if cv == nil then return {'notfound'} end
 if cv ~= ARGV[1] then return {'conflict', cv} end
-local nv = bump(KEYS[3], cv)
+local nv, e = next_version(KEYS[3], cv)
+if not nv then return e end
+redis.call('SET', KEYS[3], nv)
 redis.call('DEL', KEYS[1])
 redis.call('ZREM', KEYS[2], ARGV[2])
 redis.call('PUBLISH', ARGV[3], 'd:' .. nv)
 return {'ok', nv}
 "#;
 
-/// KEYS: rec, rev. Returns the fencing seed: one above the largest of the namespace counter, the
-/// key's version (when it is one of ours) and the server clock in microseconds. Writes nothing.
+/// KEYS: rec, rev, tok. Returns `{'ok', seed}`: one above the largest of the namespace counter,
+/// the key's version (when it is one of ours), the key's token high-water mark and the server
+/// clock in microseconds; or a `badnum` reply (role `token` with `overflow` when no seed fits
+/// in a u64). Writes nothing.
 const SEED: &str = r#"
-local s = counter(KEYS[2])
-local c = tonumber((cur(KEYS[1])))
-if c and c > s then s = c end
-local now = now_us()
-if now > s then s = now end
-return string.format('%d', s + 1)
+local s, e = stored(KEYS[2], 'counter')
+if not s then return e end
+local t, e2 = stored(KEYS[3], 'token')
+if not t then return e2 end
+s = dec_max(dec_max(s, t), now_us())
+local c = dec((cur(KEYS[1])))
+if c then s = dec_max(s, c) end
+if not fits(dec_inc(s)) then return {'badnum', 'token', s, 'overflow'} end
+return {'ok', dec_inc(s)}
 "#;
 
 /// One script: its source and SHA-1.
@@ -230,6 +340,7 @@ pub(crate) struct Scripts {
     pub(crate) create: Lua,
     pub(crate) update: Lua,
     pub(crate) delete: Lua,
+    pub(crate) acquire: Lua,
     pub(crate) seed: Lua,
 }
 
@@ -241,6 +352,7 @@ impl Scripts {
             create: Lua::new(CREATE),
             update: Lua::new(UPDATE),
             delete: Lua::new(DELETE),
+            acquire: Lua::new(ACQUIRE),
             seed: Lua::new(SEED),
         }
     }

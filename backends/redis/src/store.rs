@@ -8,7 +8,8 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use leasehold::{
-    Capabilities, KeyPrefix, LeaseKey, LeaseRecord, LeaseStore, Version, Versioned, WatchStream,
+    Acquired, Capabilities, KeyPrefix, LeaseKey, LeaseRecord, LeaseStore, Version, Versioned,
+    WatchStream,
 };
 use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
 use redis::cluster::{ClusterClient, ClusterClientBuilder, ClusterConfig};
@@ -153,6 +154,9 @@ impl Keys {
     }
     pub(crate) fn rev(&self) -> String {
         format!("{}rev", self.tag)
+    }
+    pub(crate) fn token(&self, key: &str) -> String {
+        format!("{}tok:{key}", self.tag)
     }
     pub(crate) fn channel(&self, key: &str) -> String {
         format!("{}chan:{key}", self.tag)
@@ -616,9 +620,25 @@ impl Inner {
         call: Call<'_>,
         expected: Option<&Version>,
     ) -> leasehold::Result<Version> {
-        let reply: Vec<Vec<u8>> = self.invoke(operation, call).await?;
+        let reply = self.write_reply(operation, key, call, expected).await?;
+        match reply.as_slice() {
+            [v] => Ok(Version::new(text(v))),
+            _ => Err(unexpected(operation, &reply)),
+        }
+    }
+
+    /// Runs a write script and returns what follows `ok` in its reply, or the typed error of
+    /// any other reply.
+    async fn write_reply(
+        &self,
+        operation: &'static str,
+        key: &LeaseKey,
+        call: Call<'_>,
+        expected: Option<&Version>,
+    ) -> leasehold::Result<Vec<Vec<u8>>> {
+        let mut reply: Vec<Vec<u8>> = self.invoke(operation, call).await?;
         match reply.first().map(Vec::as_slice) {
-            Some(b"ok") if reply.len() == 2 => Ok(Version::new(text(&reply[1]))),
+            Some(b"ok") => Ok(reply.split_off(1)),
             Some(b"exists") => Err(leasehold::Error::AlreadyExists {
                 key: key.to_string(),
             }),
@@ -629,9 +649,100 @@ impl Inner {
                 key: key.to_string(),
                 expected: expected.cloned().unwrap_or_else(|| Version::new("")),
             }),
+            Some(b"badnum") => Err(self.refused(operation, key, &reply)),
             _ => Err(unexpected(operation, &reply)),
         }
     }
+
+    /// The error for a `badnum` reply `{'badnum', role, value, reason}`: a counter, version or
+    /// token the scripts cannot count on exactly (see [`crate::scripts`]).
+    fn refused(
+        &self,
+        operation: &'static str,
+        key: &LeaseKey,
+        reply: &[Vec<u8>],
+    ) -> leasehold::Error {
+        let [_, role, held, reason] = reply else {
+            return unexpected(operation, reply);
+        };
+        let held = shown(held);
+        let k = &self.keys;
+        let message = match (role.as_slice(), reason.as_slice()) {
+            (b"token", b"overflow") => {
+                return leasehold::Error::TokenExhausted {
+                    key: key.to_string(),
+                    last: held.parse().unwrap_or(u64::MAX),
+                };
+            }
+            (b"counter", b"notint") => format!(
+                "the namespace counter {} holds {held:?}, which is not a decimal integer of at \
+                 most {U64_MAX}; set it to a decimal integer no lower than the highest version \
+                 in the namespace (deleting it lets versions continue from the server clock in \
+                 microseconds)",
+                k.rev()
+            ),
+            (b"counter", b"overflow") => format!(
+                "the namespace counter {} holds {held}, and the next version would exceed \
+                 {U64_MAX} (the largest 64-bit version); versions cannot continue in this \
+                 namespace: move the leases to a new prefix",
+                k.rev()
+            ),
+            (b"version", b"overflow") => format!(
+                "the record {} has version {held}, and the next version would exceed {U64_MAX} \
+                 (the largest 64-bit version); delete the record key (the lease is then vacant)",
+                k.record(key.as_str())
+            ),
+            (b"token", b"notint") => format!(
+                "the token high-water mark {} holds {held:?}, which is not a decimal integer of \
+                 at most {U64_MAX}; set it to a decimal integer no lower than the lease's highest \
+                 fencing token",
+                k.token(key.as_str())
+            ),
+            _ => return unexpected(operation, reply),
+        };
+        leasehold::Error::Store {
+            store: STORE,
+            message: format!("{operation}: {message}"),
+            retryable: false,
+            source: None,
+        }
+    }
+}
+
+/// The largest version and token: u64::MAX.
+const U64_MAX: u64 = u64::MAX;
+
+/// A value from the server for an error message: at most 64 characters of it.
+fn shown(b: &[u8]) -> String {
+    let t = text(b);
+    match t.char_indices().nth(64) {
+        Some((i, _)) => format!("{}…", &t[..i]),
+        None => t,
+    }
+}
+
+/// The record JSON of an acquisition split around its token: `head` ends with
+/// `"leaderTransitions":` and `tail` is the rest, so the acquire script writes
+/// `head .. token .. tail`, a plain record carrying the token it assigned.
+fn acquisition_parts(record: &LeaseRecord) -> leasehold::Result<(Vec<u8>, Vec<u8>)> {
+    const FIELD: &[u8] = b"\"leaderTransitions\":0";
+    let bytes = leasehold::codec::encode(&LeaseRecord {
+        transitions: 0,
+        ..record.clone()
+    });
+    // Inside JSON strings every `"` is escaped, so the field name with its quotes and colon
+    // occurs once: as the key.
+    let at = bytes
+        .windows(FIELD.len())
+        .position(|w| w == FIELD)
+        .ok_or_else(|| leasehold::Error::Store {
+            store: STORE,
+            message: "acquire: the encoded record has no leaderTransitions field".into(),
+            retryable: false,
+            source: None,
+        })?;
+    let digit = at + FIELD.len() - 1;
+    Ok((bytes[..digit].to_vec(), bytes[digit + 1..].to_vec()))
 }
 
 #[async_trait]
@@ -641,7 +752,9 @@ impl LeaseStore for RedisStore {
     }
 
     fn capabilities(&self) -> Capabilities {
-        Capabilities::WATCH.with_operation_timeout(self.inner.config.operation_timeout)
+        Capabilities::WATCH
+            .with_commit_tokens()
+            .with_operation_timeout(self.inner.config.operation_timeout)
     }
 
     async fn get(&self, key: &LeaseKey) -> leasehold::Result<Option<Versioned>> {
@@ -764,18 +877,66 @@ impl LeaseStore for RedisStore {
         Ok(out)
     }
 
+    /// One script, atomic: the token is the largest of the write's new version (never below
+    /// the server clock in microseconds), the key's token high-water mark plus one (kept across
+    /// deletes of the record) and the record's `transitions` (the caller's floor). The record is
+    /// stored with that token and the high-water mark is raised to it.
+    async fn acquire(
+        &self,
+        key: &LeaseKey,
+        record: &LeaseRecord,
+        expected: Option<&Version>,
+    ) -> leasehold::Result<Acquired> {
+        let k = &self.inner.keys;
+        let (head, tail) = acquisition_parts(record)?;
+        let (mode, expected_arg) = match expected {
+            None => ("create", ""),
+            Some(v) => ("update", v.as_str()),
+        };
+        let inv = (self.inner.scripts.acquire.call())
+            .key(k.record(key.as_str()))
+            .key(k.index())
+            .key(k.rev())
+            .key(k.token(key.as_str()))
+            .arg(mode)
+            .arg(expected_arg)
+            .arg(head)
+            .arg(tail)
+            .arg(record.transitions.to_string())
+            .arg(key.as_str())
+            .arg(k.channel(key.as_str()));
+        let reply = self
+            .inner
+            .write_reply("acquire", key, inv, expected)
+            .await?;
+        match reply.as_slice() {
+            [v, token] => match text(token).parse() {
+                Ok(fencing_token) => Ok(Acquired {
+                    version: Version::new(text(v)),
+                    fencing_token,
+                }),
+                Err(_) => Err(unexpected("acquire", &reply)),
+            },
+            _ => Err(unexpected("acquire", &reply)),
+        }
+    }
+
     async fn fencing_seed(&self, key: &LeaseKey) -> leasehold::Result<u64> {
         let k = &self.inner.keys;
         let call = (self.inner.scripts.seed.call())
             .key(k.record(key.as_str()))
-            .key(k.rev());
-        let seed: String = self.inner.invoke("fencing_seed", call).await?;
-        seed.parse().map_err(|_| leasehold::Error::Store {
-            store: STORE,
-            message: format!("fencing_seed: unexpected script reply {seed:?}"),
-            retryable: false,
-            source: None,
-        })
+            .key(k.rev())
+            .key(k.token(key.as_str()));
+        let reply = self
+            .inner
+            .write_reply("fencing_seed", key, call, None)
+            .await?;
+        match reply.as_slice() {
+            [seed] => text(seed)
+                .parse()
+                .map_err(|_| unexpected("fencing_seed", &reply)),
+            _ => Err(unexpected("fencing_seed", &reply)),
+        }
     }
 }
 
@@ -790,7 +951,42 @@ impl fmt::Debug for RedisStore {
 
 #[cfg(test)]
 mod tests {
-    use super::policy_can_evict_leases;
+    use super::{acquisition_parts, policy_can_evict_leases};
+    use leasehold::{LeaseKey, LeaseRecord, codec};
+    use std::time::{Duration, SystemTime};
+
+    #[test]
+    fn an_acquisition_spliced_around_its_token_decodes_to_that_token() {
+        let key = LeaseKey::new("k").expect("a valid key");
+        for holder in [
+            "a",
+            "\"leaderTransitions\":0",
+            "x\\\"leaderTransitions\":0,",
+        ] {
+            let record = LeaseRecord {
+                holder_identity: holder.into(),
+                lease_duration: Duration::from_secs(15),
+                acquire_time: Some(SystemTime::UNIX_EPOCH),
+                renew_time: None,
+                transitions: 7,
+            };
+            let (head, tail) = acquisition_parts(&record).expect("the record has the field");
+            for token in [1u64, 9_007_199_254_740_993, u64::MAX] {
+                let mut bytes = head.clone();
+                bytes.extend_from_slice(token.to_string().as_bytes());
+                bytes.extend_from_slice(&tail);
+                let back = codec::decode(&key, &bytes, None).expect("the spliced record decodes");
+                assert_eq!(
+                    back,
+                    LeaseRecord {
+                        transitions: token,
+                        ..record.clone()
+                    },
+                    "{holder}"
+                );
+            }
+        }
+    }
 
     #[test]
     fn only_allkeys_policies_can_evict_lease_keys() {

@@ -49,6 +49,7 @@ async fn a_cluster_store_keeps_a_namespace_in_one_slot_and_survives_a_slot_migra
         s.record_key(&key("other")),
         format!("{{{prefix}}}index"),
         format!("{{{prefix}}}rev"),
+        format!("{{{prefix}}}tok:{}", k.as_str()),
     ] {
         assert_eq!(keyslot(ports[0], &name), slot, "{name}");
     }
@@ -84,7 +85,13 @@ async fn a_cluster_store_keeps_a_namespace_in_one_slot_and_survives_a_slot_migra
     let after = s.fencing_seed(&k).await.unwrap();
     assert!(after > seed + 2);
     assert!(after > v3.as_str().parse::<u64>().unwrap());
-    s.delete(&k, &v3).await.unwrap();
+    // An acquisition (token high-water mark in the same slot) after the migration.
+    let a = s
+        .acquire(&k, &record("c", seed + 3), Some(&v3))
+        .await
+        .unwrap();
+    assert!(a.fencing_token > after);
+    s.delete(&k, &a.version).await.unwrap();
     assert!(s.get(&k).await.unwrap().is_none());
 }
 

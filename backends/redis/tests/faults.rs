@@ -397,6 +397,48 @@ async fn fencing_seed_exceeds_every_earlier_version_and_token_after_delete_and_f
     assert!(s.get(&k).await.unwrap().is_none());
 }
 
+#[tokio::test]
+async fn acquired_tokens_grow_across_delete_and_flushall_and_stay_above_the_clock() {
+    let srv = Server::start();
+    let url = srv.url();
+    let s = fast_store(&url).await;
+    let k = key("acquired");
+    let before = server_time_us(&url).await;
+    let a = s.acquire(&k, &record("a", 0), None).await.unwrap();
+    assert!(
+        a.fencing_token >= before,
+        "{} below the clock {before}",
+        a.fencing_token
+    );
+    let v = s
+        .update(&k, &record("a", a.fencing_token), &a.version)
+        .await
+        .unwrap();
+    let b = s
+        .acquire(&k, &record("b", a.fencing_token + 1), Some(&v))
+        .await
+        .unwrap();
+    s.delete(&k, &b.version).await.unwrap();
+    let c = s.acquire(&k, &record("c", 0), None).await.unwrap();
+    s.delete(&k, &c.version).await.unwrap();
+    // A restart without persistence, as FLUSHALL: the counter and the token high-water mark are
+    // gone, the clock is not.
+    raw_cmd(&url, &redis::cmd("FLUSHALL")).await;
+    let d = s.acquire(&k, &record("d", 0), None).await.unwrap();
+    let tokens = [
+        a.fencing_token,
+        b.fencing_token,
+        c.fencing_token,
+        d.fencing_token,
+    ];
+    println!("tokens {tokens:?}");
+    assert!(tokens.windows(2).all(|w| w[0] < w[1]), "{tokens:?}");
+    assert_eq!(
+        s.get(&k).await.unwrap().unwrap().record.transitions,
+        d.fencing_token
+    );
+}
+
 /// A loopback TCP proxy that can stop forwarding on its established connections while leaving
 /// them open (a middlebox that lost its state: the peer neither answers nor resets), while new
 /// connections are forwarded again.

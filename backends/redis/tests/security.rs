@@ -261,7 +261,8 @@ async fn the_documented_least_privilege_acl_user_can_do_everything_the_store_doe
         exercise(&s).await;
 
         // Everything else the store does: list, fencing seed, the script-load path after a
-        // flushed script cache, and corrupt data (TYPE, DUMP) replaced by compare-and-swap.
+        // flushed script cache, corrupt data (TYPE, DUMP) replaced by compare-and-swap, and
+        // acquisitions.
         let k = key("least-privilege");
         let seed = s.fencing_seed(&k).await.unwrap();
         let v = s.create(&k, &record("a", seed)).await.unwrap();
@@ -291,6 +292,14 @@ async fn the_documented_least_privilege_acl_user_can_do_everything_the_store_doe
             .unwrap();
         s.delete(&k, &v).await.unwrap();
         assert!(s.fencing_seed(&k).await.unwrap() > seed);
+        // Acquisitions with tokens assigned at commit (the token high-water mark key).
+        let a = s.acquire(&k, &record("d", 0), None).await.unwrap();
+        let b = s
+            .acquire(&k, &record("e", a.fencing_token + 1), Some(&a.version))
+            .await
+            .unwrap();
+        assert!(b.fencing_token > a.fencing_token);
+        s.delete(&k, &b.version).await.unwrap();
     }
 
     // A command the scripts run that the ACL denies is named as a permission problem.

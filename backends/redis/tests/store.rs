@@ -352,3 +352,242 @@ async fn the_store_reports_its_operation_timeout_and_the_elector_checks_it() {
         .expect_err("renew deadline not above the store timeout");
     assert!(matches!(err, Error::InvalidConfig(_)), "{err:?}");
 }
+
+/// The namespace counter of `s` (the key every write increments).
+fn counter_key(s: &leasehold_redis::RedisStore) -> String {
+    format!("{{{}}}rev", s.config().prefix())
+}
+
+/// The token high-water mark of `k` in the namespace of `s`.
+fn token_key(s: &leasehold_redis::RedisStore, k: &leasehold::LeaseKey) -> String {
+    format!("{{{}}}tok:{}", s.config().prefix(), k.as_str())
+}
+
+fn big(v: &Version) -> u128 {
+    v.as_str()
+        .parse()
+        .unwrap_or_else(|_| panic!("version {v} is not a number"))
+}
+
+/// Creates `k` with the counter set to `start`, updates it twice and checks that the versions
+/// strictly increase and that every version but the last is refused by compare-and-swap.
+async fn versions_count_exactly_from(s: &leasehold_redis::RedisStore, start: &str, name: &str) {
+    let url = shared_url();
+    let k = key(name);
+    raw_cmd(&url, redis::cmd("SET").arg(counter_key(s)).arg(start)).await;
+    let v1 = s.create(&k, &record("a", 1)).await.unwrap();
+    let v2 = s.update(&k, &record("b", 2), &v1).await.unwrap();
+    let v3 = s.update(&k, &record("c", 3), &v2).await.unwrap();
+    println!("counter {start}: versions {v1} {v2} {v3}");
+    assert_eq!(big(&v1), start.parse::<u128>().unwrap() + 1);
+    assert!(big(&v1) < big(&v2) && big(&v2) < big(&v3), "{v1} {v2} {v3}");
+    for stale in [&v1, &v2] {
+        match s.update(&k, &record("stale", 9), stale).await {
+            Err(Error::Conflict { .. }) => {}
+            other => panic!("an update from stale version {stale} (current {v3}): {other:?}"),
+        }
+        assert!(matches!(
+            s.delete(&k, stale).await,
+            Err(Error::Conflict { .. })
+        ));
+    }
+    let got = s.get(&k).await.unwrap().unwrap();
+    assert_eq!(
+        (got.record.holder_identity.as_str(), got.version),
+        ("c", v3)
+    );
+}
+
+#[tokio::test]
+async fn versions_stay_exact_above_2_pow_53_and_across_a_digit() {
+    let s = store().await;
+    // 2^53 - 2: doubles lose +1 after two more writes.
+    versions_count_exactly_from(&s, "9007199254740990", "near-2-53").await;
+    // The next version gains a digit: compared by length first, not as text.
+    versions_count_exactly_from(&s, "99999999999999998", "new-digit").await;
+    // The fencing seed is exact too.
+    let k = key("seed");
+    raw_cmd(
+        &shared_url(),
+        redis::cmd("SET")
+            .arg(counter_key(&s))
+            .arg("9007199254740992"),
+    )
+    .await;
+    assert_eq!(s.fencing_seed(&k).await.unwrap(), 9_007_199_254_740_993);
+}
+
+#[tokio::test]
+async fn versions_and_tokens_past_u64_max_are_refused_and_write_nothing() {
+    let s = store().await;
+    let url = shared_url();
+    let k = key("top");
+    raw_cmd(
+        &url,
+        redis::cmd("SET")
+            .arg(counter_key(&s))
+            .arg("18446744073709551613"),
+    )
+    .await;
+    let v1 = s.create(&k, &record("a", 1)).await.unwrap();
+    let v2 = s.update(&k, &record("b", 2), &v1).await.unwrap();
+    assert_eq!(v2.as_str(), "18446744073709551615");
+    match s.update(&k, &record("c", 3), &v2).await {
+        Err(Error::Store {
+            retryable: false,
+            message,
+            ..
+        }) => {
+            assert!(message.contains(&counter_key(&s)), "{message}");
+            assert!(
+                message.contains("would exceed 18446744073709551615"),
+                "{message}"
+            );
+        }
+        other => panic!("an update past u64::MAX: {other:?}"),
+    }
+    let got = s.get(&k).await.unwrap().unwrap();
+    assert_eq!(
+        (got.record.holder_identity.as_str(), &got.version),
+        ("b", &v2)
+    );
+
+    // A token high-water mark at u64::MAX: no higher token exists, nothing is written.
+    let fresh = key("exhausted");
+    raw_cmd(&url, redis::cmd("DEL").arg(counter_key(&s))).await;
+    raw_cmd(
+        &url,
+        redis::cmd("SET").arg(token_key(&s, &fresh)).arg(u64::MAX),
+    )
+    .await;
+    match s.acquire(&fresh, &record("a", 1), None).await {
+        Err(Error::TokenExhausted { key, last }) => {
+            assert_eq!((key.as_str(), last), ("exhausted", u64::MAX));
+        }
+        other => panic!("an acquire above the last token: {other:?}"),
+    }
+    assert!(s.get(&fresh).await.unwrap().is_none());
+    assert!(matches!(
+        s.fencing_seed(&fresh).await,
+        Err(Error::TokenExhausted { .. })
+    ));
+}
+
+#[tokio::test]
+async fn a_counter_that_is_not_a_decimal_integer_is_a_typed_error_and_writes_nothing() {
+    let s = store().await;
+    let url = shared_url();
+    let k = key("garbage");
+    let rev = counter_key(&s);
+    for (set, shown) in [
+        (
+            redis::cmd("SET").arg(&rev).arg("12abc").clone(),
+            "\"12abc\"",
+        ),
+        (redis::cmd("SET").arg(&rev).arg("-5").clone(), "\"-5\""),
+        (
+            redis::cmd("SET").arg(&rev).arg("1e300").clone(),
+            "\"1e300\"",
+        ),
+        (
+            redis::cmd("SET")
+                .arg(&rev)
+                .arg("18446744073709551616")
+                .clone(),
+            "\"18446744073709551616\"",
+        ),
+        (
+            redis::cmd("HSET").arg(&rev).arg("f").arg("1").clone(),
+            "\"a redis hash\"",
+        ),
+    ] {
+        raw_cmd(&url, redis::cmd("DEL").arg(&rev)).await;
+        raw_cmd(&url, &set).await;
+        for (op, result) in [
+            ("create", s.create(&k, &record("a", 1)).await.map(|_| ())),
+            (
+                "acquire",
+                s.acquire(&k, &record("a", 1), None).await.map(|_| ()),
+            ),
+            ("fencing_seed", s.fencing_seed(&k).await.map(|_| ())),
+        ] {
+            match result {
+                Err(Error::Store {
+                    retryable: false,
+                    message,
+                    ..
+                }) => {
+                    assert!(message.starts_with(&format!("{op}: ")), "{message}");
+                    assert!(
+                        message.contains(&format!("namespace counter {rev} holds {shown}")),
+                        "{message}"
+                    );
+                    assert!(message.contains("not a decimal integer"), "{message}");
+                    assert!(message.contains("set it to"), "{message}");
+                }
+                other => panic!("{op} with the counter holding {shown}: {other:?}"),
+            }
+        }
+        assert!(s.get(&k).await.unwrap().is_none(), "nothing was written");
+    }
+    // Once the counter holds a number again, writes go on.
+    raw_cmd(&url, redis::cmd("SET").arg(&rev).arg("7")).await;
+    let v = s.create(&k, &record("a", 1)).await.unwrap();
+    assert!(big(&v) > 7);
+
+    // A token high-water mark holding garbage refuses the acquisition the same way.
+    raw_cmd(&url, redis::cmd("SET").arg(token_key(&s, &k)).arg("lots")).await;
+    match s.acquire(&k, &record("b", 2), Some(&v)).await {
+        Err(Error::Store {
+            retryable: false,
+            message,
+            ..
+        }) => assert!(
+            message.contains(&format!(
+                "high-water mark {} holds \"lots\"",
+                token_key(&s, &k)
+            )),
+            "{message}"
+        ),
+        other => panic!("acquire with a garbage high-water mark: {other:?}"),
+    }
+    assert_eq!(s.get(&k).await.unwrap().unwrap().version, v);
+}
+
+#[tokio::test]
+async fn an_acquire_after_a_delete_stays_above_a_token_a_floor_raised() {
+    let s = store().await;
+    let url = shared_url();
+    let k = key("floor-then-delete");
+    let high = 1u64 << 60;
+    let v = s.create(&k, &record("foreign", high)).await.unwrap();
+    let a = s
+        .acquire(&k, &record("a", high + 1), Some(&v))
+        .await
+        .unwrap();
+    assert_eq!(a.fencing_token, high + 1);
+    s.delete(&k, &a.version).await.unwrap();
+    // The record is gone, with the floor it carried; the next acquisition asks for no floor.
+    let b = s.acquire(&k, &record("b", 0), None).await.unwrap();
+    println!(
+        "tokens {} then {} after the delete",
+        a.fencing_token, b.fencing_token
+    );
+    assert!(
+        b.fencing_token > a.fencing_token,
+        "{} after {}",
+        b.fencing_token,
+        a.fencing_token
+    );
+    assert!(s.fencing_seed(&k).await.unwrap() > b.fencing_token);
+    // The stored JSON carries the token itself, for any reader.
+    let raw = raw_cmd(&url, redis::cmd("HGET").arg(s.record_key(&k)).arg("d")).await;
+    let redis::Value::BulkString(json) = raw else {
+        panic!("record data {raw:?}")
+    };
+    let stored = leasehold::codec::decode(&k, &json, None).unwrap();
+    assert_eq!(
+        (stored.holder_identity.as_str(), stored.transitions),
+        ("b", b.fencing_token)
+    );
+}
