@@ -73,7 +73,10 @@ async fn expiry_takeover_at_the_exact_instant() {
     let last_renewal = t0 + RETRY * 2;
     let tb = leading(&mut rb).await;
     assert_at("takeover", tb.since(), last_renewal + LEASE);
-    assert!(tb.fencing_token() > la.fencing_token(), "the takeover has a higher token");
+    assert!(
+        tb.fencing_token() > la.fencing_token(),
+        "the takeover has a higher token"
+    );
     a.shutdown().await.expect("the elector shuts down cleanly");
     b.shutdown().await.expect("the elector shuts down cleanly");
 }
