@@ -90,11 +90,13 @@ async fn s18_3_yield_for_from_inside_the_leaders_own_task_does_not_wait_for_itse
     let tasks = tokio::spawn({
         let (a, seen) = (a.clone(), seen.clone());
         let elector = a.clone();
+        // Only the first term's task yields (its token is the store's, not necessarily 1).
+        let first = Arc::new(std::sync::atomic::AtomicBool::new(true));
         async move {
             run_leader_tasks(CancellationToken::new(), elector, move |leader| {
-                let (a, seen) = (a.clone(), seen.clone());
+                let (a, seen, first) = (a.clone(), seen.clone(), first.clone());
                 async move {
-                    if leader.fencing_token() != 1 {
+                    if !first.swap(false, std::sync::atomic::Ordering::SeqCst) {
                         leader.cancelled().await;
                         return;
                     }
