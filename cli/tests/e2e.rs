@@ -753,11 +753,21 @@ fn demo_shows_a_handover_and_a_crash_failover() {
         "handover latency",
         "CRASHED",
         "failover latency",
-        "fencing token 3",
         "summary:",
     ] {
         assert!(out.contains(s), "{s} in:\n{out}");
     }
+    // Three terms, with fencing tokens that strictly increase (the store assigns them).
+    let tokens: Vec<u64> = out
+        .lines()
+        .filter_map(|l| l.split("(fencing token ").nth(1))
+        .filter_map(|t| t.trim_end_matches(')').parse().ok())
+        .collect();
+    assert_eq!(tokens.len(), 3, "three terms in:\n{out}");
+    assert!(
+        tokens.windows(2).all(|w| w[0] < w[1]),
+        "increasing tokens in:\n{out}"
+    );
     println!("{out}");
 }
 
