@@ -261,28 +261,29 @@ impl Driver {
         match ev {
             Ev::Timer => {
                 io.armed = None;
-                self.machine.handle_timeout(now());
+                self.machine.handle_input(now(), machine::Input::Timeout);
             }
             Ev::Shutdown => {
                 io.shutdown_sent = true;
                 self.machine
-                    .handle_command(now(), machine::Command::Shutdown);
+                    .handle_input(now(), machine::Input::Command(machine::Command::Shutdown));
             }
             Ev::Command(Command::Yield(duration, tx)) => {
                 io.next_yield += 1;
                 io.yields.insert(io.next_yield, tx);
-                self.machine.handle_command(
+                self.machine.handle_input(
                     now(),
-                    machine::Command::Yield {
+                    machine::Input::Command(machine::Command::Yield {
                         id: io.next_yield,
                         duration,
-                    },
+                    }),
                 );
             }
             Ev::Reply(id, r) => {
                 io.request = None;
                 self.shared.store_outcome(r.as_ref().err());
-                self.machine.handle_reply(now(), id, r);
+                self.machine
+                    .handle_input(now(), machine::Input::Reply { id, result: r });
             }
             Ev::Opened(id, r) => {
                 io.opening = None;
@@ -290,20 +291,27 @@ impl Driver {
                 match r {
                     Ok(s) => {
                         io.watch = Some((id, s));
-                        self.machine.handle_watch_opened(now(), id, Ok(()));
+                        self.machine.handle_input(
+                            now(),
+                            machine::Input::WatchOpened { id, result: Ok(()) },
+                        );
                     }
-                    Err(e) => self.machine.handle_watch_opened(now(), id, Err(e)),
+                    Err(e) => self
+                        .machine
+                        .handle_input(now(), machine::Input::WatchOpened { id, result: Err(e) }),
                 }
             }
             Ev::Item(id, item) => {
                 if !matches!(item, Some(Ok(_))) {
                     io.watch = None;
                 }
-                self.machine.handle_watch_item(now(), id, item);
+                self.machine
+                    .handle_input(now(), machine::Input::WatchItem { id, item });
             }
             Ev::Drained => {
                 io.drained = None;
-                self.machine.handle_tasks_drained(now());
+                self.machine
+                    .handle_input(now(), machine::Input::TasksDrained);
             }
         }
     }

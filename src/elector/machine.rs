@@ -4,27 +4,31 @@
 //! renew, step down and release — and does no I/O: it never touches a store, a timer, a task or
 //! a clock. The caller feeds it inputs stamped with the current time ([`Now`]) and drains its
 //! outputs ([`Output`]): store requests to send, a watch to open or close, status changes to
-//! publish. [`Machine::poll_timeout`] says when it next needs [`Machine::handle_timeout`].
+//! publish. Every input goes through one method, [`Machine::handle_input`]
+//! ([`Input::Timeout`], a [`Command`], a [`Reply`], a watch's outcome and items, drained tasks),
+//! and [`Machine::poll_timeout`] says when it next needs an [`Input::Timeout`].
 //!
 //! The tokio driver behind [`Elector`](crate::Elector) is one such caller; the deterministic
-//! simulator in the test suite is another, and drives many machines through seeded fault
-//! schedules on a virtual clock. This is the shape of quinn-proto and str0m.
+//! simulator in the test suite and the scripted tests (`tests/machine_scripts.rs`) are others.
+//! This is the shape of quinn-proto and str0m.
+//!
+//! **Unstable:** this module is a separate surface for drivers and simulators; its types may
+//! change in any release (it is outside the crate's semver promise). Applications use
+//! [`Elector`](crate::Elector).
 //!
 //! # Contract for a driver
 //!
-//! - Send every [`Output::Request`] to the store and report its result with
-//!   [`Machine::handle_reply`] — by the request's `deadline` at the latest: a request still
-//!   unanswered then is reported as an error (for example [`Error::Timeout`]). At most one request
-//!   is outstanding at a time.
-//! - Open a watch on [`Output::OpenWatch`] and report the outcome with
-//!   [`Machine::handle_watch_opened`]; feed its items with [`Machine::handle_watch_item`] (`None`
-//!   when the stream ended). Drop the stream on [`Output::CloseWatch`]. Items of a watch id that
-//!   is not current are ignored.
-//! - Call [`Machine::handle_timeout`] no later than [`Machine::poll_timeout`]; calling it early or
-//!   often is harmless. Every `handle_*` call also processes whatever timers are due, so a busy
-//!   input source can never starve a deadline.
+//! - Send every [`Output::Request`] to the store and report its result with [`Input::Reply`] —
+//!   by the request's `deadline` at the latest: a request still unanswered then is reported as
+//!   an error (for example [`Error::Timeout`]). At most one request is outstanding at a time.
+//! - Open a watch on [`Output::OpenWatch`] and report the outcome with [`Input::WatchOpened`];
+//!   feed its items with [`Input::WatchItem`] (`None` when the stream ended). Drop the stream on
+//!   [`Output::CloseWatch`]. Items of a watch id that is not current are ignored.
+//! - Feed [`Input::Timeout`] no later than [`Machine::poll_timeout`]; early or often is harmless.
+//!   Every input also processes whatever timers are due, so a busy input source can never starve
+//!   a deadline.
 //! - Publish the status outputs in order. After [`Output::TermEnded`], report
-//!   [`Machine::handle_tasks_drained`] once nothing works on the ended term any more.
+//!   [`Input::TasksDrained`] once nothing works on the ended term any more.
 //! - `Now::instant` must come from a monotonic clock; `Now::wall` is only written into records.
 
 use std::collections::VecDeque;
@@ -132,6 +136,42 @@ pub enum Command {
         /// it is not held).
         duration: Duration,
     },
+}
+
+/// One input to [`Machine::handle_input`].
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum Input {
+    /// Nothing happened but time: process the timers that are due (call it no later than
+    /// [`Machine::poll_timeout`]; earlier or more often is harmless).
+    Timeout,
+    /// A request from the elector's owner.
+    Command(Command),
+    /// The answer to request `id`: by the request's deadline at the latest (a request still
+    /// unanswered then is answered with an error such as [`Error::Timeout`]).
+    Reply {
+        /// The request's id.
+        id: RequestId,
+        /// The store's answer.
+        result: Result<Reply, Error>,
+    },
+    /// The outcome of opening watch `id`.
+    WatchOpened {
+        /// The watch's id.
+        id: WatchId,
+        /// Whether it opened.
+        result: Result<(), Error>,
+    },
+    /// An item of watch `id`; `None` when the stream ended.
+    WatchItem {
+        /// The watch's id.
+        id: WatchId,
+        /// The item.
+        item: Option<Result<WatchEvent, Error>>,
+    },
+    /// Every task of the ended term has finished (its leadership guards are dropped); report it
+    /// once after [`Output::TermEnded`].
+    TasksDrained,
 }
 
 /// What the machine asks its driver to do, in order.
@@ -518,7 +558,7 @@ impl Machine {
         self.out.pop_front()
     }
 
-    /// When [`handle_timeout`](Self::handle_timeout) must be called next (`None`: only inputs
+    /// When [`Input::Timeout`] must be fed next (`None`: only inputs
     /// can change anything).
     pub fn poll_timeout(&self) -> Option<Instant> {
         let now = self.last_now?;
@@ -573,15 +613,28 @@ impl Machine {
         matches!(self.mode, Mode::Stopped)
     }
 
-    /// Processes timers due at `now`.
-    pub fn handle_timeout(&mut self, now: Now) {
+    /// Feeds one input to the machine, stamped with the current time. Timers due at `now` are
+    /// processed first (an input never lands before a deadline that is already due), and again
+    /// after the input.
+    pub fn handle_input(&mut self, now: Now, input: Input) {
+        if let Input::Timeout = input {
+            self.step(now);
+            return;
+        }
+        self.step(now);
+        match input {
+            Input::Timeout => {}
+            Input::Command(cmd) => self.on_command(now, cmd),
+            Input::TasksDrained => self.on_tasks_drained(),
+            Input::Reply { id, result } => self.on_reply(now, id, result),
+            Input::WatchOpened { id, result } => self.on_watch_opened(now, id, result),
+            Input::WatchItem { id, item } => self.on_watch_item(now, id, item),
+        }
         self.step(now);
     }
 
     /// A command from the elector's owner.
-    pub fn handle_command(&mut self, now: Now, cmd: Command) {
-        // Timers first: an input never lands before a deadline that is already due.
-        self.step(now);
+    fn on_command(&mut self, now: Now, cmd: Command) {
         match cmd {
             Command::Shutdown => {
                 info!("shutdown requested");
@@ -612,30 +665,23 @@ impl Machine {
                 Mode::Stopped => self.out.push_back(Output::YieldDone { id }),
             },
         }
-        self.step(now);
     }
 
     /// Every task of the ended term has finished (its leadership guards are dropped).
-    pub fn handle_tasks_drained(&mut self, now: Now) {
-        // Timers first: an input never lands before a deadline that is already due.
-        self.step(now);
+    fn on_tasks_drained(&mut self) {
         if let Mode::Draining { .. } = self.mode {
             info!("leader tasks finished; releasing the lease");
             self.begin_release();
         }
-        self.step(now);
     }
 
     /// The answer to request `id`.
-    pub fn handle_reply(&mut self, now: Now, id: RequestId, result: Result<Reply, Error>) {
-        // Timers first: an input never lands before a deadline that is already due.
-        self.step(now);
+    fn on_reply(&mut self, now: Now, id: RequestId, result: Result<Reply, Error>) {
         let Some(inflight) = self.inflight.take_if(|f| f.id == id) else {
             debug!(
                 ?id,
                 "ignoring the reply to a request that is no longer current"
             );
-            self.step(now);
             return;
         };
         let InFlight { sent, purpose, .. } = inflight;
@@ -667,13 +713,10 @@ impl Machine {
             Purpose::Renew { record } => self.on_renew(now, record, result),
             Purpose::Release { record } => self.on_release(now, record, result),
         }
-        self.step(now);
     }
 
     /// The outcome of opening watch `id`.
-    pub fn handle_watch_opened(&mut self, now: Now, id: WatchId, result: Result<(), Error>) {
-        // Timers first: an input never lands before a deadline that is already due.
-        self.step(now);
+    fn on_watch_opened(&mut self, now: Now, id: WatchId, result: Result<(), Error>) {
         match (&self.watch, result) {
             (WatchState::Opening(cur), Ok(())) if *cur == id => {
                 debug!("watching the lease");
@@ -686,20 +729,11 @@ impl Machine {
             (_, Ok(())) => self.out.push_back(Output::CloseWatch),
             (_, Err(_)) => {}
         }
-        self.step(now);
     }
 
     /// An item of watch `id`; `None` when the stream ended.
-    pub fn handle_watch_item(
-        &mut self,
-        now: Now,
-        id: WatchId,
-        item: Option<Result<WatchEvent, Error>>,
-    ) {
-        // Timers first: an input never lands before a deadline that is already due.
-        self.step(now);
+    fn on_watch_item(&mut self, now: Now, id: WatchId, item: Option<Result<WatchEvent, Error>>) {
         if !matches!(self.watch, WatchState::Open(cur) if cur == id) {
-            self.step(now);
             return;
         }
         match item {
@@ -729,7 +763,6 @@ impl Machine {
                 self.watch_broke(now);
             }
         }
-        self.step(now);
     }
 
     // --- helpers ------------------------------------------------------------------------------

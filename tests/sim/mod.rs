@@ -72,7 +72,9 @@ use std::collections::{BinaryHeap, VecDeque};
 use std::fmt::Write as _;
 use std::time::{Duration, Instant, UNIX_EPOCH};
 
-use leasehold::elector::machine::{Command, Machine, Now, Op, Output, Reply, RequestId, WatchId};
+use leasehold::elector::machine::{
+    Command, Input, Machine, Now, Op, Output, Reply, RequestId, WatchId,
+};
 use leasehold::{
     Acquired, Capabilities, ElectorConfig, Error, LeaseKey, LeaseRecord, Version, Versioned,
     WatchEvent,
@@ -1142,7 +1144,7 @@ impl Sim {
                     return false;
                 }
                 self.log(|| format!("{identity} timer"));
-                self.machine(n).handle_timeout(now);
+                self.machine(n).handle_input(now, Input::Timeout);
             }
             Ev::Reply { req, result } => {
                 if self.nodes[n].waiting != Some(req) {
@@ -1159,7 +1161,8 @@ impl Sim {
                     }) => self.observed_version(n, v),
                     _ => {}
                 }
-                self.machine(n).handle_reply(now, req, result);
+                self.machine(n)
+                    .handle_input(now, Input::Reply { id: req, result });
             }
             Ev::WatchOpen { id, after, ok } => {
                 let current = matches!(&self.nodes[n].watch, Some(w) if w.id == id && !w.open);
@@ -1171,7 +1174,8 @@ impl Sim {
                     if let Some(w) = &mut self.nodes[n].watch {
                         w.open = true;
                     }
-                    self.machine(n).handle_watch_opened(now, id, Ok(()));
+                    self.machine(n)
+                        .handle_input(now, Input::WatchOpened { id, result: Ok(()) });
                     // The backlog: what changed after `after` (the register keeps only the
                     // latest state, so missed changes coalesce into it, as the contract allows).
                     let cur = self.store.version();
@@ -1195,22 +1199,29 @@ impl Sim {
                 } else {
                     self.log(|| format!("{identity} watch {id:?} fails to open"));
                     self.nodes[n].watch = None;
-                    self.machine(n)
-                        .handle_watch_opened(now, id, Err(unavailable("watch refused")));
+                    self.machine(n).handle_input(
+                        now,
+                        Input::WatchOpened {
+                            id,
+                            result: Err(unavailable("watch refused")),
+                        },
+                    );
                 }
             }
             Ev::WatchTimeout { id } => {
                 let current = matches!(&self.nodes[n].watch, Some(w) if w.id == id && !w.open);
                 if current {
                     self.nodes[n].watch = None;
-                    self.machine(n).handle_watch_opened(
+                    self.machine(n).handle_input(
                         now,
-                        id,
-                        Err(Error::Timeout {
-                            store: "sim",
-                            operation: "watch",
-                            after: RENEW,
-                        }),
+                        Input::WatchOpened {
+                            id,
+                            result: Err(Error::Timeout {
+                                store: "sim",
+                                operation: "watch",
+                                after: RENEW,
+                            }),
+                        },
                     );
                 }
             }
@@ -1226,7 +1237,8 @@ impl Sim {
                 if let Some(Ok(WatchEvent::Put(v))) = &item {
                     self.observed_version(n, &v.version);
                 }
-                self.machine(n).handle_watch_item(now, id, item);
+                self.machine(n)
+                    .handle_input(now, Input::WatchItem { id, item });
             }
             Ev::WatchLatest { id } => {
                 let current = matches!(&self.nodes[n].watch, Some(w) if w.id == id && w.open);
@@ -1245,7 +1257,13 @@ impl Sim {
                 if let WatchEvent::Put(v) = &ev {
                     self.observed_version(n, &v.version);
                 }
-                self.machine(n).handle_watch_item(now, id, Some(Ok(ev)));
+                self.machine(n).handle_input(
+                    now,
+                    Input::WatchItem {
+                        id,
+                        item: Some(Ok(ev)),
+                    },
+                );
             }
             Ev::Act { term } => {
                 if term != self.nodes[n].term_seq {
@@ -1274,31 +1292,32 @@ impl Sim {
                     return false;
                 }
                 self.log(|| format!("{identity}'s leader task yields (or panics) for {dur:?}"));
-                self.machine(n).handle_command(
+                self.machine(n).handle_input(
                     now,
-                    Command::Yield {
+                    Input::Command(Command::Yield {
                         id: 2,
                         duration: dur,
-                    },
+                    }),
                 );
             }
             Ev::Drained { term } => {
                 if term == self.nodes[n].term_seq {
-                    self.machine(n).handle_tasks_drained(now);
+                    self.machine(n).handle_input(now, Input::TasksDrained);
                 }
             }
             Ev::Shutdown => {
                 self.log(|| format!("chaos: {identity} shuts down"));
-                self.machine(n).handle_command(now, Command::Shutdown);
+                self.machine(n)
+                    .handle_input(now, Input::Command(Command::Shutdown));
             }
             Ev::Yield { dur } => {
                 self.log(|| format!("chaos: {identity} yields for {dur:?}"));
-                self.machine(n).handle_command(
+                self.machine(n).handle_input(
                     now,
-                    Command::Yield {
+                    Input::Command(Command::Yield {
                         id: 1,
                         duration: dur,
-                    },
+                    }),
                 );
             }
             Ev::BreakWatch => {
@@ -1310,10 +1329,12 @@ impl Sim {
                 if let Some(id) = open {
                     self.log(|| format!("chaos: {identity}'s watch breaks"));
                     self.nodes[n].watch = None;
-                    self.machine(n).handle_watch_item(
+                    self.machine(n).handle_input(
                         now,
-                        id,
-                        Some(Err(unavailable("watch broke"))),
+                        Input::WatchItem {
+                            id,
+                            item: Some(Err(unavailable("watch broke"))),
+                        },
                     );
                 }
             }
