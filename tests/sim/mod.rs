@@ -61,8 +61,8 @@
 //!    of 1);
 //! 4. after the faults stop, some elector leads within
 //!    `lease_duration + renew_deadline + 2.2 × retry_period` (scaled by the drift bound, plus the
-//!    healthy store's latency), counted from the end of a longer lease duration a foreign writer
-//!    set; not after a foreign writer set a token no higher one can follow (by design, no term
+//!    healthy store's latency), with the longest lease duration a foreign writer set in place of
+//!    `lease_duration`; not after a foreign writer set a token no higher one can follow (by design, no term
 //!    then starts).
 
 #![allow(dead_code)]
@@ -621,6 +621,8 @@ pub struct Sim {
     exhausted: bool,
     /// Actions of leader tasks: (true time, interval).
     actions: Vec<(T, usize)>,
+    /// The longest lease duration a foreign writer put into a record (at least `LEASE`).
+    longest: Duration,
 }
 
 const TRACE_LINES: usize = 400;
@@ -650,6 +652,7 @@ impl Sim {
             lost: Vec::new(),
             exhausted: false,
             actions: Vec::new(),
+            longest: LEASE,
         };
         for i in 0..sim.profile.nodes {
             sim.nodes.push(Node {
@@ -882,7 +885,7 @@ impl Sim {
     /// How long after the faults stop some elector must lead: the documented bound, scaled for
     /// the worst clock rates, plus the healthy store's latency for a few round trips.
     pub fn liveness_bound(&self) -> Duration {
-        (LEASE + RENEW + RETRY.mul_f64(2.2)).mul_f64((1.0 + DRIFT) / (1.0 - DRIFT))
+        (self.longest + RENEW + RETRY.mul_f64(2.2)).mul_f64((1.0 + DRIFT) / (1.0 - DRIFT))
             + Duration::from_millis(200)
     }
 
@@ -984,8 +987,6 @@ impl Sim {
             Ev::VersionOnly => {
                 if let Some((Stored::Record(r), _)) = self.store.cur.clone() {
                     self.log(|| "chaos: a foreign write changes only the version".into());
-                    // Followers wait the record's duration from this change.
-                    self.faults_until = self.faults_until.max(self.now + r.lease_duration);
                     self.store_write(Some(Stored::Record(r)));
                 }
                 return;
@@ -1731,9 +1732,9 @@ impl Sim {
         if r.is_vacant() || older_term || (edit == Edit::Restore && !same_term) {
             self.void_current_record();
         }
-        // A longer duration legitimately delays the takeover: liveness counts from its end.
-        let until = self.now + r.lease_duration;
-        self.faults_until = self.faults_until.max(until);
+        // A longer duration legitimately delays the takeover: followers that first see it as late
+        // as the end of the faults wait that long.
+        self.longest = self.longest.max(r.lease_duration);
         let shorter = same_term && r.lease_duration < LEASE;
         // The term whose elector wrote the record (earlier edits may have changed its fields).
         let (holder, owner_token) = self
