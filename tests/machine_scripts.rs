@@ -10,7 +10,7 @@
 
 use std::time::{Duration, Instant, UNIX_EPOCH};
 
-use leasehold::elector::machine::{Command, Machine, Now, Op, Output, Reply, Request};
+use leasehold::elector::machine::{Command, Input, Machine, Now, Op, Output, Reply, Request};
 use leasehold::{
     Acquired, Capabilities, ElectorConfig, Error, LeaseKey, LeaseRecord, Version, Versioned,
 };
@@ -266,7 +266,7 @@ impl World {
                     // Tasks drain at once.
                     let now = self.clock();
                     if let Some(m) = self.nodes[n].m.as_mut() {
-                        m.handle_tasks_drained(now);
+                        m.handle_input(now, Input::TasksDrained);
                     }
                 }
                 Output::TokensExhausted { last } => self.nodes[n].exhausted.push(last),
@@ -292,7 +292,7 @@ impl World {
         }
         let now = self.clock();
         if let Some(m) = self.nodes[n].m.as_mut() {
-            m.handle_reply(now, req.id, result);
+            m.handle_input(now, Input::Reply { id: req.id, result });
         }
         self.drain(n);
     }
@@ -311,7 +311,13 @@ impl World {
             source: None,
         };
         if let Some(m) = self.nodes[n].m.as_mut() {
-            m.handle_reply(now, req.id, Err(reset));
+            m.handle_input(
+                now,
+                Input::Reply {
+                    id: req.id,
+                    result: Err(reset),
+                },
+            );
         }
         self.drain(n);
     }
@@ -348,7 +354,13 @@ impl World {
                             after: RENEW,
                         };
                         if let Some(m) = self.nodes[n].m.as_mut() {
-                            m.handle_reply(now, req.id, Err(timeout));
+                            m.handle_input(
+                                now,
+                                Input::Reply {
+                                    id: req.id,
+                                    result: Err(timeout),
+                                },
+                            );
                         }
                         self.drain(n);
                     } else {
@@ -359,7 +371,7 @@ impl World {
                 if let Some(m) = self.nodes[n].m.as_mut()
                     && m.poll_timeout().is_some_and(|t| t <= now.instant)
                 {
-                    m.handle_timeout(now);
+                    m.handle_input(now, Input::Timeout);
                     self.drain(n);
                 }
             }
@@ -473,12 +485,12 @@ fn r2_02_no_term_starts_with_a_token_that_is_not_above_the_last() {
         let first = w.leading(a).expect("a leads").token;
         assert_eq!(first, u64::MAX);
         let now = w.clock();
-        w.nodes[a].m.as_mut().expect("running").handle_command(
+        w.nodes[a].m.as_mut().expect("running").handle_input(
             now,
-            Command::Yield {
+            Input::Command(Command::Yield {
                 id: 1,
                 duration: LEASE * 10,
-            },
+            }),
         );
         w.drain(a);
         let b = w.start("b");
@@ -597,12 +609,12 @@ fn t_50749446_a_delayed_create_never_lets_a_later_term_repeat_a_token() {
     );
     let first = w.leading(n1).expect("n1 leads").token;
     let now = w.clock();
-    w.nodes[n1].m.as_mut().expect("running").handle_command(
+    w.nodes[n1].m.as_mut().expect("running").handle_input(
         now,
-        Command::Yield {
+        Input::Command(Command::Yield {
             id: 1,
             duration: Duration::ZERO,
-        },
+        }),
     );
     w.drain(n1);
     w.run(RETRY * 2);

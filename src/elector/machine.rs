@@ -4,27 +4,31 @@
 //! renew, step down and release — and does no I/O: it never touches a store, a timer, a task or
 //! a clock. The caller feeds it inputs stamped with the current time ([`Now`]) and drains its
 //! outputs ([`Output`]): store requests to send, a watch to open or close, status changes to
-//! publish. [`Machine::poll_timeout`] says when it next needs [`Machine::handle_timeout`].
+//! publish. Every input goes through one method, [`Machine::handle_input`]
+//! ([`Input::Timeout`], a [`Command`], a [`Reply`], a watch's outcome and items, drained tasks),
+//! and [`Machine::poll_timeout`] says when it next needs an [`Input::Timeout`].
 //!
 //! The tokio driver behind [`Elector`](crate::Elector) is one such caller; the deterministic
-//! simulator in the test suite is another, and drives many machines through seeded fault
-//! schedules on a virtual clock. This is the shape of quinn-proto and str0m.
+//! simulator in the test suite and the scripted tests (`tests/machine_scripts.rs`) are others.
+//! This is the shape of quinn-proto and str0m.
+//!
+//! **Unstable:** this module is a separate surface for drivers and simulators; its types may
+//! change in any release (it is outside the crate's semver promise). Applications use
+//! [`Elector`](crate::Elector).
 //!
 //! # Contract for a driver
 //!
-//! - Send every [`Output::Request`] to the store and report its result with
-//!   [`Machine::handle_reply`] — by the request's `deadline` at the latest: a request still
-//!   unanswered then is reported as an error (for example [`Error::Timeout`]). At most one request
-//!   is outstanding at a time.
-//! - Open a watch on [`Output::OpenWatch`] and report the outcome with
-//!   [`Machine::handle_watch_opened`]; feed its items with [`Machine::handle_watch_item`] (`None`
-//!   when the stream ended). Drop the stream on [`Output::CloseWatch`]. Items of a watch id that
-//!   is not current are ignored.
-//! - Call [`Machine::handle_timeout`] no later than [`Machine::poll_timeout`]; calling it early or
-//!   often is harmless. Every `handle_*` call also processes whatever timers are due, so a busy
-//!   input source can never starve a deadline.
+//! - Send every [`Output::Request`] to the store and report its result with [`Input::Reply`] —
+//!   by the request's `deadline` at the latest: a request still unanswered then is reported as
+//!   an error (for example [`Error::Timeout`]). At most one request is outstanding at a time.
+//! - Open a watch on [`Output::OpenWatch`] and report the outcome with [`Input::WatchOpened`];
+//!   feed its items with [`Input::WatchItem`] (`None` when the stream ended). Drop the stream on
+//!   [`Output::CloseWatch`]. Items of a watch id that is not current are ignored.
+//! - Feed [`Input::Timeout`] no later than [`Machine::poll_timeout`]; early or often is harmless.
+//!   Every input also processes whatever timers are due, so a busy input source can never starve
+//!   a deadline.
 //! - Publish the status outputs in order. After [`Output::TermEnded`], report
-//!   [`Machine::handle_tasks_drained`] once nothing works on the ended term any more.
+//!   [`Input::TasksDrained`] once nothing works on the ended term any more.
 //! - `Now::instant` must come from a monotonic clock; `Now::wall` is only written into records.
 
 use std::collections::VecDeque;
@@ -132,6 +136,42 @@ pub enum Command {
         /// it is not held).
         duration: Duration,
     },
+}
+
+/// One input to [`Machine::handle_input`].
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum Input {
+    /// Nothing happened but time: process the timers that are due (call it no later than
+    /// [`Machine::poll_timeout`]; earlier or more often is harmless).
+    Timeout,
+    /// A request from the elector's owner.
+    Command(Command),
+    /// The answer to request `id`: by the request's deadline at the latest (a request still
+    /// unanswered then is answered with an error such as [`Error::Timeout`]).
+    Reply {
+        /// The request's id.
+        id: RequestId,
+        /// The store's answer.
+        result: Result<Reply, Error>,
+    },
+    /// The outcome of opening watch `id`.
+    WatchOpened {
+        /// The watch's id.
+        id: WatchId,
+        /// Whether it opened.
+        result: Result<(), Error>,
+    },
+    /// An item of watch `id`; `None` when the stream ended.
+    WatchItem {
+        /// The watch's id.
+        id: WatchId,
+        /// The item.
+        item: Option<Result<WatchEvent, Error>>,
+    },
+    /// Every task of the ended term has finished (its leadership guards are dropped); report it
+    /// once after [`Output::TermEnded`].
+    TasksDrained,
 }
 
 /// What the machine asks its driver to do, in order.
@@ -257,7 +297,6 @@ struct Term {
     sent: Instant,
     /// Renewals sent since the last confirmed one (a landed one is recognised by its renew time).
     attempts: Vec<Attempt>,
-    next_renew: Instant,
     failures: u32,
     /// A bound on validity from a foreign write that shortened the record's lease duration:
     /// `(when it was observed, valid at most until)`. A renewal sent after the observation
@@ -325,9 +364,9 @@ enum Mode {
     Following,
     Leading(Box<Term>),
     /// Stepped down on purpose; still renewing while the term's tasks drain.
+    /// Until [`Timer::DrainEnd`].
     Draining {
         term: Box<Term>,
-        until: Instant,
         then: Then,
     },
     /// Tasks drained: writing the release.
@@ -380,15 +419,57 @@ struct InFlight {
 
 #[derive(Debug)]
 enum WatchState {
-    Closed { retry_at: Option<Instant> },
+    /// Not watching; opened again at [`Timer::WatchRetry`] (at once when unset).
+    Closed,
     Opening(WatchId),
     Open(WatchId),
 }
 
-#[derive(Debug, Clone, Copy)]
-enum YieldUntil {
-    At(Instant),
-    Forever,
+/// Every deadline of the machine, one slot each (quinn-proto's timer table):
+/// [`Machine::poll_timeout`] is the earliest slot that matters in the current mode.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Timer {
+    /// A polling follower reads again (no watch open).
+    Poll,
+    /// A failed read may be retried.
+    ReadRetry,
+    /// A failed or lost acquire may be retried.
+    AcquireRetry,
+    /// A yield ends and campaigning resumes.
+    YieldEnd,
+    /// A broken watch is opened again.
+    WatchRetry,
+    /// The leader sends its next renewal.
+    Renew,
+    /// A graceful step-down gives up on tasks that have not finished.
+    DrainEnd,
+    /// The current term's validity ends (derived: last confirmed renewal + renew deadline, or a
+    /// cut; refreshed after every step).
+    TermEnd,
+    /// The observed record expires for this follower (derived from the observation; refreshed
+    /// after every step).
+    Expiry,
+}
+
+impl Timer {
+    const COUNT: usize = 9;
+}
+
+/// The deadlines, indexed by [`Timer`].
+#[derive(Debug, Default)]
+struct TimerTable([Option<Instant>; Timer::COUNT]);
+
+impl std::ops::Index<Timer> for TimerTable {
+    type Output = Option<Instant>;
+    fn index(&self, t: Timer) -> &Option<Instant> {
+        &self.0[t as usize]
+    }
+}
+
+impl std::ops::IndexMut<Timer> for TimerTable {
+    fn index_mut(&mut self, t: Timer) -> &mut Option<Instant> {
+        &mut self.0[t as usize]
+    }
 }
 
 /// The elector state machine. See the [module docs](self).
@@ -411,10 +492,10 @@ pub struct Machine {
     watch: WatchState,
     watch_failures: u32,
     need_read: bool,
-    poll_at: Option<Instant>,
-    read_not_before: Option<Instant>,
-    acquire_not_before: Option<Instant>,
-    yield_until: Option<YieldUntil>,
+    /// Every deadline (see [`Timer`]).
+    timers: TimerTable,
+    /// Not campaigning (a yield); until [`Timer::YieldEnd`], or for ever when that is unset.
+    yielding: bool,
     deferred_yields: Vec<(u64, Duration)>,
     stop_requested: bool,
     out: VecDeque<Output>,
@@ -438,14 +519,6 @@ fn micros(t: SystemTime) -> SystemTime {
     match t.duration_since(UNIX_EPOCH) {
         Ok(d) => UNIX_EPOCH + Duration::from_micros(u64::try_from(d.as_micros()).unwrap_or(0)),
         Err(_) => UNIX_EPOCH,
-    }
-}
-
-fn min_opt(a: Option<Instant>, b: Option<Instant>) -> Option<Instant> {
-    match (a, b) {
-        (Some(a), Some(b)) => Some(a.min(b)),
-        (a, None) => a,
-        (None, b) => b,
     }
 }
 
@@ -484,13 +557,11 @@ impl Machine {
             seen_during_acquire: Vec::new(),
             inflight: None,
             next_id: 0,
-            watch: WatchState::Closed { retry_at: None },
+            watch: WatchState::Closed,
             watch_failures: 0,
             need_read: true,
-            poll_at: None,
-            read_not_before: None,
-            acquire_not_before: None,
-            yield_until: None,
+            timers: TimerTable::default(),
+            yielding: false,
             deferred_yields: Vec::new(),
             stop_requested: false,
             out: VecDeque::new(),
@@ -518,54 +589,48 @@ impl Machine {
         self.out.pop_front()
     }
 
-    /// When [`handle_timeout`](Self::handle_timeout) must be called next (`None`: only inputs
+    /// When [`Input::Timeout`] must be fed next (`None`: only inputs
     /// can change anything).
     pub fn poll_timeout(&self) -> Option<Instant> {
         let now = self.last_now?;
-        let mut t: Option<Instant> = None;
-        let mut add = |x: Option<Instant>| {
-            if let Some(x) = x.filter(|x| *x > now) {
-                t = min_opt(t, Some(x));
-            }
-        };
-        if let WatchState::Closed { retry_at } = self.watch
+        let mut due: Vec<Timer> = Vec::with_capacity(Timer::COUNT);
+        if matches!(self.watch, WatchState::Closed)
             && self.can_watch
             && !matches!(self.mode, Mode::Stopped)
         {
-            add(retry_at);
+            due.push(Timer::WatchRetry);
         }
         match &self.mode {
             Mode::Stopped => return None,
-            Mode::Leading(term) => {
-                add(self.valid_until(term));
+            Mode::Leading(_) => {
+                due.push(Timer::TermEnd);
                 if self.inflight.is_none() {
-                    add(Some(term.next_renew));
+                    due.push(Timer::Renew);
                 }
             }
-            Mode::Draining { term, until, .. } => {
-                add(self.valid_until(term));
-                add(Some(*until));
+            Mode::Draining { .. } => {
+                due.extend([Timer::TermEnd, Timer::DrainEnd]);
                 if self.inflight.is_none() {
-                    add(Some(term.next_renew));
+                    due.push(Timer::Renew);
                 }
             }
             Mode::Releasing { .. } => {}
             Mode::Following => {
-                add(self.read_not_before);
-                add(self.acquire_not_before);
+                due.extend([Timer::ReadRetry, Timer::AcquireRetry]);
                 if !matches!(self.watch, WatchState::Open(_)) {
-                    add(self.poll_at);
+                    due.push(Timer::Poll);
                 }
-                if let Some(YieldUntil::At(y)) = self.yield_until {
-                    add(Some(y));
+                if self.yielding {
+                    due.push(Timer::YieldEnd);
                 }
-                if let Some(obs) = &self.observed {
-                    add(self.expiry(obs));
-                    // The published leader turns to "none" at expiry.
-                }
+                // The published leader turns to "none" at expiry.
+                due.push(Timer::Expiry);
             }
         }
-        t
+        due.into_iter()
+            .filter_map(|t| self.timers[t])
+            .filter(|t| *t > now)
+            .min()
     }
 
     /// Whether the machine has stopped.
@@ -573,15 +638,28 @@ impl Machine {
         matches!(self.mode, Mode::Stopped)
     }
 
-    /// Processes timers due at `now`.
-    pub fn handle_timeout(&mut self, now: Now) {
+    /// Feeds one input to the machine, stamped with the current time. Timers due at `now` are
+    /// processed first (an input never lands before a deadline that is already due), and again
+    /// after the input.
+    pub fn handle_input(&mut self, now: Now, input: Input) {
+        if let Input::Timeout = input {
+            self.step(now);
+            return;
+        }
+        self.step(now);
+        match input {
+            Input::Timeout => {}
+            Input::Command(cmd) => self.on_command(now, cmd),
+            Input::TasksDrained => self.on_tasks_drained(),
+            Input::Reply { id, result } => self.on_reply(now, id, result),
+            Input::WatchOpened { id, result } => self.on_watch_opened(now, id, result),
+            Input::WatchItem { id, item } => self.on_watch_item(now, id, item),
+        }
         self.step(now);
     }
 
     /// A command from the elector's owner.
-    pub fn handle_command(&mut self, now: Now, cmd: Command) {
-        // Timers first: an input never lands before a deadline that is already due.
-        self.step(now);
+    fn on_command(&mut self, now: Now, cmd: Command) {
         match cmd {
             Command::Shutdown => {
                 info!("shutdown requested");
@@ -612,30 +690,23 @@ impl Machine {
                 Mode::Stopped => self.out.push_back(Output::YieldDone { id }),
             },
         }
-        self.step(now);
     }
 
     /// Every task of the ended term has finished (its leadership guards are dropped).
-    pub fn handle_tasks_drained(&mut self, now: Now) {
-        // Timers first: an input never lands before a deadline that is already due.
-        self.step(now);
+    fn on_tasks_drained(&mut self) {
         if let Mode::Draining { .. } = self.mode {
             info!("leader tasks finished; releasing the lease");
             self.begin_release();
         }
-        self.step(now);
     }
 
     /// The answer to request `id`.
-    pub fn handle_reply(&mut self, now: Now, id: RequestId, result: Result<Reply, Error>) {
-        // Timers first: an input never lands before a deadline that is already due.
-        self.step(now);
+    fn on_reply(&mut self, now: Now, id: RequestId, result: Result<Reply, Error>) {
         let Some(inflight) = self.inflight.take_if(|f| f.id == id) else {
             debug!(
                 ?id,
                 "ignoring the reply to a request that is no longer current"
             );
-            self.step(now);
             return;
         };
         let InFlight { sent, purpose, .. } = inflight;
@@ -667,13 +738,10 @@ impl Machine {
             Purpose::Renew { record } => self.on_renew(now, record, result),
             Purpose::Release { record } => self.on_release(now, record, result),
         }
-        self.step(now);
     }
 
     /// The outcome of opening watch `id`.
-    pub fn handle_watch_opened(&mut self, now: Now, id: WatchId, result: Result<(), Error>) {
-        // Timers first: an input never lands before a deadline that is already due.
-        self.step(now);
+    fn on_watch_opened(&mut self, now: Now, id: WatchId, result: Result<(), Error>) {
         match (&self.watch, result) {
             (WatchState::Opening(cur), Ok(())) if *cur == id => {
                 debug!("watching the lease");
@@ -686,20 +754,11 @@ impl Machine {
             (_, Ok(())) => self.out.push_back(Output::CloseWatch),
             (_, Err(_)) => {}
         }
-        self.step(now);
     }
 
     /// An item of watch `id`; `None` when the stream ended.
-    pub fn handle_watch_item(
-        &mut self,
-        now: Now,
-        id: WatchId,
-        item: Option<Result<WatchEvent, Error>>,
-    ) {
-        // Timers first: an input never lands before a deadline that is already due.
-        self.step(now);
+    fn on_watch_item(&mut self, now: Now, id: WatchId, item: Option<Result<WatchEvent, Error>>) {
         if !matches!(self.watch, WatchState::Open(cur) if cur == id) {
-            self.step(now);
             return;
         }
         match item {
@@ -729,7 +788,6 @@ impl Machine {
                 self.watch_broke(now);
             }
         }
-        self.step(now);
     }
 
     // --- helpers ------------------------------------------------------------------------------
@@ -901,9 +959,8 @@ impl Machine {
         let cap = self.cfg.retry_period.saturating_mul(4);
         let d = self.jittered(exp.min(cap));
         self.watch_failures = self.watch_failures.saturating_add(1);
-        self.watch = WatchState::Closed {
-            retry_at: later(now.instant, d),
-        };
+        self.watch = WatchState::Closed;
+        self.timers[Timer::WatchRetry] = later(now.instant, d);
         if matches!(self.mode, Mode::Following) {
             // Changes may have been missed: read (polling continues until the watch is back).
             self.need_read = true;
@@ -928,16 +985,27 @@ impl Machine {
             }
         }
         self.manage_watch(now);
+        self.refresh_derived_timers();
+    }
+
+    /// The deadlines that follow from the state (the term's validity, the observed record's
+    /// expiry), written into the table after every step.
+    fn refresh_derived_timers(&mut self) {
+        self.timers[Timer::TermEnd] = match &self.mode {
+            Mode::Leading(t) | Mode::Draining { term: t, .. } => self.valid_until(t),
+            _ => None,
+        };
+        self.timers[Timer::Expiry] = self.observed.as_ref().and_then(|o| self.expiry(o));
     }
 
     fn manage_watch(&mut self, now: Now) {
         if !self.can_watch {
             return;
         }
-        let WatchState::Closed { retry_at } = self.watch else {
+        let WatchState::Closed = self.watch else {
             return;
         };
-        if retry_at.is_some_and(|t| now.instant < t) {
+        if self.timers[Timer::WatchRetry].is_some_and(|t| now.instant < t) {
             return;
         }
         let after = match &self.mode {
@@ -967,10 +1035,8 @@ impl Machine {
             return;
         }
         for (id, d) in std::mem::take(&mut self.deferred_yields) {
-            self.yield_until = Some(match later(now.instant, d) {
-                Some(t) => YieldUntil::At(t),
-                None => YieldUntil::Forever,
-            });
+            self.yielding = true;
+            self.timers[Timer::YieldEnd] = later(now.instant, d);
             info!(duration = ?d, "yielding: not campaigning");
             self.out.push_back(Output::YieldDone { id });
         }
@@ -978,25 +1044,24 @@ impl Machine {
             self.stop();
             return;
         }
-        if let Some(YieldUntil::At(t)) = self.yield_until
-            && now.instant >= t
-        {
-            self.yield_until = None;
+        if self.yielding && self.timers[Timer::YieldEnd].is_some_and(|t| now.instant >= t) {
+            self.yielding = false;
+            self.timers[Timer::YieldEnd] = None;
         }
         // Polling (no watch open): re-read every jittered retry period.
         if !matches!(self.watch, WatchState::Open(_)) {
-            match self.poll_at {
+            match self.timers[Timer::Poll] {
                 Some(t) if now.instant >= t => self.need_read = true,
                 Some(_) => {}
                 None => {
                     let d = self.jittered(self.cfg.retry_period);
-                    self.poll_at = later(now.instant, d);
+                    self.timers[Timer::Poll] = later(now.instant, d);
                 }
             }
         }
         if self.need_read || self.observed.is_none() {
-            if self.read_not_before.is_none_or(|t| now.instant >= t) {
-                self.read_not_before = None;
+            if self.timers[Timer::ReadRetry].is_none_or(|t| now.instant >= t) {
+                self.timers[Timer::ReadRetry] = None;
                 let deadline = self.request_deadline(now);
                 self.send(now, Op::Get, Purpose::Read, deadline);
             }
@@ -1004,10 +1069,10 @@ impl Machine {
             return;
         }
         self.publish_follower(now);
-        if self.yield_until.is_some() {
+        if self.yielding {
             return;
         }
-        if self.acquire_not_before.is_some_and(|t| now.instant < t) {
+        if self.timers[Timer::AcquireRetry].is_some_and(|t| now.instant < t) {
             return;
         }
         let Some(obs) = self.observed.clone() else {
@@ -1016,7 +1081,7 @@ impl Machine {
         if self.expiry(&obs).is_some_and(|t| now.instant < t) {
             return;
         }
-        self.acquire_not_before = None;
+        self.timers[Timer::AcquireRetry] = None;
         if self.commit_tokens {
             // The store assigns the token at commit: no seed to read first.
             let (expected, replaced) = match &obs.seen {
@@ -1032,7 +1097,7 @@ impl Machine {
                         "the lease key holds unreadable data and the store gives no version to replace it by compare-and-swap; delete it by hand"
                     );
                     let d = self.jittered(self.cfg.retry_period);
-                    self.acquire_not_before = later(now.instant, d);
+                    self.timers[Timer::AcquireRetry] = later(now.instant, d);
                     return;
                 }
                 Seen::Record(v) => {
@@ -1076,7 +1141,7 @@ impl Machine {
                     "the lease key holds unreadable data and the store gives no version to replace it by compare-and-swap; delete it by hand"
                 );
                 let d = self.jittered(self.cfg.retry_period);
-                self.acquire_not_before = later(now.instant, d);
+                self.timers[Timer::AcquireRetry] = later(now.instant, d);
             }
             Seen::Record(v) => {
                 if !v.record.is_vacant() {
@@ -1177,10 +1242,11 @@ impl Machine {
     }
 
     fn stop(&mut self) {
-        if !matches!(self.watch, WatchState::Closed { .. }) {
+        if !matches!(self.watch, WatchState::Closed) {
             self.out.push_back(Output::CloseWatch);
         }
-        self.watch = WatchState::Closed { retry_at: None };
+        self.watch = WatchState::Closed;
+        self.timers[Timer::WatchRetry] = None;
         if self.published_leader != Some(None) {
             self.published_leader = Some(None);
             self.out.push_back(Output::Following { leader: None });
@@ -1207,7 +1273,7 @@ impl Machine {
         let identity = self.cfg.identity.clone();
         let (valid_until, draining_until) = match &self.mode {
             Mode::Leading(t) => (self.valid_until(t), None),
-            Mode::Draining { term, until, .. } => (self.valid_until(term), Some(*until)),
+            Mode::Draining { term, .. } => (self.valid_until(term), self.timers[Timer::DrainEnd]),
             _ => return,
         };
         if valid_until.is_none_or(|v| now.instant >= v) {
@@ -1231,10 +1297,10 @@ impl Machine {
         if self.inflight.is_some() {
             return;
         }
-        let Some(term) = self.term_mut() else { return };
-        if now.instant < term.next_renew {
+        if self.timers[Timer::Renew].is_some_and(|r| now.instant < r) {
             return;
         }
+        let Some(term) = self.term_mut() else { return };
         let record = term.record.clone();
         let expected = term.version.clone();
         let t = self.stamp(now.wall);
@@ -1256,7 +1322,7 @@ impl Machine {
         let backoff = (retry / 8)
             .saturating_mul(1u32 << term.failures.min(3))
             .min(retry);
-        term.next_renew = later(now.instant, backoff).unwrap_or(now.instant);
+        self.timers[Timer::Renew] = Some(later(now.instant, backoff).unwrap_or(now.instant));
         let deadline = valid_until.unwrap_or(now.instant);
         self.send(
             now,
@@ -1307,13 +1373,14 @@ impl Machine {
             .attempts
             .iter()
             .position(|a| a.renew_time == v.record.renew_time);
+        let mut renew_at = None;
         let renewed = match matched {
             Some(i) => {
                 let sent = term.attempts[i].sent;
                 term.attempts.drain(..=i);
                 term.sent = term.sent.max(sent);
                 term.failures = 0;
-                term.next_renew = later(term.sent, retry).unwrap_or(term.sent);
+                renew_at = Some(later(term.sent, retry).unwrap_or(term.sent));
                 // The renewal wrote this elector's own duration: a cut observed before it was
                 // sent no longer binds.
                 if term.cut.is_some_and(|(seen, _)| sent >= seen) {
@@ -1347,6 +1414,9 @@ impl Machine {
                 own = ?ld,
                 "another writer shortened the lease duration of our record; the term is valid only as long as followers will wait, and the next renewal writes our own duration again"
             );
+        }
+        if renew_at.is_some() {
+            self.timers[Timer::Renew] = renew_at;
         }
         let valid_until = match self.term_ref() {
             Some(t) => self.valid_until(t),
@@ -1406,8 +1476,9 @@ impl Machine {
         });
         self.published_leader = Some(None);
         self.out.push_back(Output::Following { leader: None });
-        let until = later(now.instant, self.cfg.drain_timeout).unwrap_or(now.instant);
-        self.mode = Mode::Draining { term, until, then };
+        self.timers[Timer::DrainEnd] =
+            Some(later(now.instant, self.cfg.drain_timeout).unwrap_or(now.instant));
+        self.mode = Mode::Draining { term, then };
     }
 
     fn begin_release(&mut self) {
@@ -1473,10 +1544,8 @@ impl Machine {
                 }
             }
             Then::Yield { ids, duration } => {
-                self.yield_until = Some(match later(now.instant, duration) {
-                    Some(t) => YieldUntil::At(t),
-                    None => YieldUntil::Forever,
-                });
+                self.yielding = true;
+                self.timers[Timer::YieldEnd] = later(now.instant, duration);
                 info!(?duration, "yielded the lease");
                 for id in ids {
                     self.out.push_back(Output::YieldDone { id });
@@ -1569,7 +1638,7 @@ impl Machine {
         if matches!(self.mode, Mode::Following) {
             self.need_read = false;
             let d = self.jittered(self.cfg.retry_period);
-            self.poll_at = later(now.instant, d);
+            self.timers[Timer::Poll] = later(now.instant, d);
         }
         if let Mode::Releasing { .. } = self.mode {
             // Reading after an ambiguous release or renewal: release again at the version that
@@ -1598,7 +1667,7 @@ impl Machine {
         match self.mode {
             Mode::Following => {
                 let d = self.jittered(self.cfg.retry_period);
-                self.read_not_before = later(now.instant, d);
+                self.timers[Timer::ReadRetry] = later(now.instant, d);
                 self.need_read = true;
             }
             Mode::Releasing { .. } => {} // release_step retries (bounded)
@@ -1653,7 +1722,7 @@ impl Machine {
     fn acquire_failed(&mut self, now: Now) {
         self.need_read = true;
         let d = self.jittered(self.cfg.retry_period);
-        self.acquire_not_before = later(now.instant, d);
+        self.timers[Timer::AcquireRetry] = later(now.instant, d);
     }
 
     fn on_acquire(
@@ -1720,7 +1789,7 @@ impl Machine {
                     Error::Conflict { .. } | Error::AlreadyExists { .. } | Error::NotFound { .. }
                 ) {
                     let d = self.jittered(self.cfg.retry_period);
-                    self.acquire_not_before = later(now.instant, d);
+                    self.timers[Timer::AcquireRetry] = later(now.instant, d);
                 }
             }
         }
@@ -1857,13 +1926,13 @@ impl Machine {
             }),
         );
         let retry = self.cfg.retry_period;
+        self.timers[Timer::Renew] = Some(later(sent, retry).unwrap_or(sent));
         let term = Box::new(Term {
             mine,
             record,
             version,
             sent,
             attempts: Vec::new(),
-            next_renew: later(sent, retry).unwrap_or(sent),
             failures: 0,
             cut: None,
             past: VecDeque::new(),
@@ -1914,10 +1983,11 @@ impl Machine {
         );
         // Watch from the term's own version: a watch opened while following may still deliver
         // changes from before the acquisition, which must not read as a loss.
-        if !matches!(self.watch, WatchState::Closed { .. }) {
+        if !matches!(self.watch, WatchState::Closed) {
             self.out.push_back(Output::CloseWatch);
         }
-        self.watch = WatchState::Closed { retry_at: None };
+        self.watch = WatchState::Closed;
+        self.timers[Timer::WatchRetry] = None;
         self.published_leader = None;
         self.out.push_back(Output::Leading {
             fencing_token: term.record.transitions,

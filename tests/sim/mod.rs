@@ -61,8 +61,8 @@
 //!    of 1);
 //! 4. after the faults stop, some elector leads within
 //!    `lease_duration + renew_deadline + 2.2 × retry_period` (scaled by the drift bound, plus the
-//!    healthy store's latency), counted from the end of a longer lease duration a foreign writer
-//!    set; not after a foreign writer set a token no higher one can follow (by design, no term
+//!    healthy store's latency), with the longest lease duration a foreign writer set in place of
+//!    `lease_duration`; not after a foreign writer set a token no higher one can follow (by design, no term
 //!    then starts).
 
 #![allow(dead_code)]
@@ -72,7 +72,9 @@ use std::collections::{BinaryHeap, VecDeque};
 use std::fmt::Write as _;
 use std::time::{Duration, Instant, UNIX_EPOCH};
 
-use leasehold::elector::machine::{Command, Machine, Now, Op, Output, Reply, RequestId, WatchId};
+use leasehold::elector::machine::{
+    Command, Input, Machine, Now, Op, Output, Reply, RequestId, WatchId,
+};
 use leasehold::{
     Acquired, Capabilities, ElectorConfig, Error, LeaseKey, LeaseRecord, Version, Versioned,
     WatchEvent,
@@ -619,6 +621,8 @@ pub struct Sim {
     exhausted: bool,
     /// Actions of leader tasks: (true time, interval).
     actions: Vec<(T, usize)>,
+    /// The longest lease duration a foreign writer put into a record (at least `LEASE`).
+    longest: Duration,
 }
 
 const TRACE_LINES: usize = 400;
@@ -648,6 +652,7 @@ impl Sim {
             lost: Vec::new(),
             exhausted: false,
             actions: Vec::new(),
+            longest: LEASE,
         };
         for i in 0..sim.profile.nodes {
             sim.nodes.push(Node {
@@ -880,7 +885,7 @@ impl Sim {
     /// How long after the faults stop some elector must lead: the documented bound, scaled for
     /// the worst clock rates, plus the healthy store's latency for a few round trips.
     pub fn liveness_bound(&self) -> Duration {
-        (LEASE + RENEW + RETRY.mul_f64(2.2)).mul_f64((1.0 + DRIFT) / (1.0 - DRIFT))
+        (self.longest + RENEW + RETRY.mul_f64(2.2)).mul_f64((1.0 + DRIFT) / (1.0 - DRIFT))
             + Duration::from_millis(200)
     }
 
@@ -982,8 +987,6 @@ impl Sim {
             Ev::VersionOnly => {
                 if let Some((Stored::Record(r), _)) = self.store.cur.clone() {
                     self.log(|| "chaos: a foreign write changes only the version".into());
-                    // Followers wait the record's duration from this change.
-                    self.faults_until = self.faults_until.max(self.now + r.lease_duration);
                     self.store_write(Some(Stored::Record(r)));
                 }
                 return;
@@ -1142,7 +1145,7 @@ impl Sim {
                     return false;
                 }
                 self.log(|| format!("{identity} timer"));
-                self.machine(n).handle_timeout(now);
+                self.machine(n).handle_input(now, Input::Timeout);
             }
             Ev::Reply { req, result } => {
                 if self.nodes[n].waiting != Some(req) {
@@ -1159,7 +1162,8 @@ impl Sim {
                     }) => self.observed_version(n, v),
                     _ => {}
                 }
-                self.machine(n).handle_reply(now, req, result);
+                self.machine(n)
+                    .handle_input(now, Input::Reply { id: req, result });
             }
             Ev::WatchOpen { id, after, ok } => {
                 let current = matches!(&self.nodes[n].watch, Some(w) if w.id == id && !w.open);
@@ -1171,7 +1175,8 @@ impl Sim {
                     if let Some(w) = &mut self.nodes[n].watch {
                         w.open = true;
                     }
-                    self.machine(n).handle_watch_opened(now, id, Ok(()));
+                    self.machine(n)
+                        .handle_input(now, Input::WatchOpened { id, result: Ok(()) });
                     // The backlog: what changed after `after` (the register keeps only the
                     // latest state, so missed changes coalesce into it, as the contract allows).
                     let cur = self.store.version();
@@ -1195,22 +1200,29 @@ impl Sim {
                 } else {
                     self.log(|| format!("{identity} watch {id:?} fails to open"));
                     self.nodes[n].watch = None;
-                    self.machine(n)
-                        .handle_watch_opened(now, id, Err(unavailable("watch refused")));
+                    self.machine(n).handle_input(
+                        now,
+                        Input::WatchOpened {
+                            id,
+                            result: Err(unavailable("watch refused")),
+                        },
+                    );
                 }
             }
             Ev::WatchTimeout { id } => {
                 let current = matches!(&self.nodes[n].watch, Some(w) if w.id == id && !w.open);
                 if current {
                     self.nodes[n].watch = None;
-                    self.machine(n).handle_watch_opened(
+                    self.machine(n).handle_input(
                         now,
-                        id,
-                        Err(Error::Timeout {
-                            store: "sim",
-                            operation: "watch",
-                            after: RENEW,
-                        }),
+                        Input::WatchOpened {
+                            id,
+                            result: Err(Error::Timeout {
+                                store: "sim",
+                                operation: "watch",
+                                after: RENEW,
+                            }),
+                        },
                     );
                 }
             }
@@ -1226,7 +1238,8 @@ impl Sim {
                 if let Some(Ok(WatchEvent::Put(v))) = &item {
                     self.observed_version(n, &v.version);
                 }
-                self.machine(n).handle_watch_item(now, id, item);
+                self.machine(n)
+                    .handle_input(now, Input::WatchItem { id, item });
             }
             Ev::WatchLatest { id } => {
                 let current = matches!(&self.nodes[n].watch, Some(w) if w.id == id && w.open);
@@ -1245,7 +1258,13 @@ impl Sim {
                 if let WatchEvent::Put(v) = &ev {
                     self.observed_version(n, &v.version);
                 }
-                self.machine(n).handle_watch_item(now, id, Some(Ok(ev)));
+                self.machine(n).handle_input(
+                    now,
+                    Input::WatchItem {
+                        id,
+                        item: Some(Ok(ev)),
+                    },
+                );
             }
             Ev::Act { term } => {
                 if term != self.nodes[n].term_seq {
@@ -1274,31 +1293,32 @@ impl Sim {
                     return false;
                 }
                 self.log(|| format!("{identity}'s leader task yields (or panics) for {dur:?}"));
-                self.machine(n).handle_command(
+                self.machine(n).handle_input(
                     now,
-                    Command::Yield {
+                    Input::Command(Command::Yield {
                         id: 2,
                         duration: dur,
-                    },
+                    }),
                 );
             }
             Ev::Drained { term } => {
                 if term == self.nodes[n].term_seq {
-                    self.machine(n).handle_tasks_drained(now);
+                    self.machine(n).handle_input(now, Input::TasksDrained);
                 }
             }
             Ev::Shutdown => {
                 self.log(|| format!("chaos: {identity} shuts down"));
-                self.machine(n).handle_command(now, Command::Shutdown);
+                self.machine(n)
+                    .handle_input(now, Input::Command(Command::Shutdown));
             }
             Ev::Yield { dur } => {
                 self.log(|| format!("chaos: {identity} yields for {dur:?}"));
-                self.machine(n).handle_command(
+                self.machine(n).handle_input(
                     now,
-                    Command::Yield {
+                    Input::Command(Command::Yield {
                         id: 1,
                         duration: dur,
-                    },
+                    }),
                 );
             }
             Ev::BreakWatch => {
@@ -1310,10 +1330,12 @@ impl Sim {
                 if let Some(id) = open {
                     self.log(|| format!("chaos: {identity}'s watch breaks"));
                     self.nodes[n].watch = None;
-                    self.machine(n).handle_watch_item(
+                    self.machine(n).handle_input(
                         now,
-                        id,
-                        Some(Err(unavailable("watch broke"))),
+                        Input::WatchItem {
+                            id,
+                            item: Some(Err(unavailable("watch broke"))),
+                        },
                     );
                 }
             }
@@ -1710,9 +1732,9 @@ impl Sim {
         if r.is_vacant() || older_term || (edit == Edit::Restore && !same_term) {
             self.void_current_record();
         }
-        // A longer duration legitimately delays the takeover: liveness counts from its end.
-        let until = self.now + r.lease_duration;
-        self.faults_until = self.faults_until.max(until);
+        // A longer duration legitimately delays the takeover: followers that first see it as late
+        // as the end of the faults wait that long.
+        self.longest = self.longest.max(r.lease_duration);
         let shorter = same_term && r.lease_duration < LEASE;
         // The term whose elector wrote the record (earlier edits may have changed its fields).
         let (holder, owner_token) = self
