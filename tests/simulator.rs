@@ -93,6 +93,7 @@ fn seeds_of_earlier_reviews_hold() {
         1_170_915,
         100_065_071,
         100_096_667,
+        101_492_148,
     ] {
         let out = sim::Sim::new(seed, None, false).run();
         assert!(out.violation.is_none(), "{}", sim::report(seed, None));

@@ -1615,6 +1615,19 @@ impl Machine {
                             return;
                         }
                         info!("an acquire that reported an error did land");
+                        if token.is_some() {
+                            // The store assigned the token, but its answer was lost: the record
+                            // may show another writer's edit of it since. Take the record over
+                            // again at once, to lead on a token the store's answer names.
+                            let replaced = r.transitions;
+                            self.observe(now, seen);
+                            if replaced == u64::MAX {
+                                self.tokens_exhausted(now, replaced);
+                            } else {
+                                self.acquire_at_commit(now, Some(version), Some(replaced));
+                            }
+                            return;
+                        }
                         if let Some(pending) = pending {
                             self.acquired(now, *pending, version, token, stored);
                         }
