@@ -167,7 +167,7 @@ impl Shared {
     }
 }
 
-/// A leader elector for one lease key. See the [module docs](self) for its semantics.
+/// A leader elector for one lease key. See the [module docs](crate::elector) for its semantics.
 ///
 /// Created by [`Elector::spawn`], which starts a background task on the current Tokio runtime.
 /// An `Elector` is a cheap handle: clones share the one elector (like `kube::Client`), so a
@@ -558,7 +558,7 @@ impl Elector {
         }
     }
 
-    /// Shuts the elector down in order (see the [module docs](self)) and waits until it has
+    /// Shuts the elector down in order (see the [module docs](crate::elector)) and waits until it has
     /// released the lease and stopped. Concurrent and repeated calls all wait for the same end.
     ///
     /// **Called from inside a leader task of this elector's own term** (see
