@@ -392,6 +392,37 @@ impl Capabilities {
 ///
 /// The shared conformance suite (feature `conformance`) checks all of this; every store passes it.
 ///
+/// # Examples
+///
+/// Using a store directly (an elector does this for you), here the memory store:
+///
+/// ```
+/// use std::time::Duration;
+/// use leasehold::{Error, LeaseKey, LeaseRecord, LeaseStore, MemoryStore};
+///
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> leasehold::Result<()> {
+/// let store = MemoryStore::new();
+/// let key = LeaseKey::new("direct")?;
+/// let record = LeaseRecord {
+///     holder_identity: "a".into(),
+///     lease_duration: Duration::from_secs(15),
+///     acquire_time: None,
+///     renew_time: None,
+///     transitions: 0,
+/// };
+/// let v1 = store.create(&key, &record).await?;
+/// let v2 = store.update(&key, &record, &v1).await?; // compare-and-swap on v1
+/// // A stale version is refused: someone else wrote first.
+/// assert!(matches!(store.update(&key, &record, &v1).await, Err(Error::Conflict { .. })));
+/// // With commit tokens, an acquisition gets its fencing token from the store at commit.
+/// if store.capabilities().commit_tokens {
+///     let acquired = store.acquire(&key, &record, Some(&v2)).await?;
+///     assert!(acquired.fencing_token > 0);
+/// }
+/// # Ok(()) }
+/// ```
+///
 /// # Cancel safety
 ///
 /// Every method is cancel safe in the sense that dropping its future never leaves a partial

@@ -23,7 +23,7 @@ pub fn default_identity() -> String {
     format!("{host}-{:016x}", rand::random::<u64>())
 }
 
-/// Configuration of an [`Elector`].
+/// Configuration of an [`Elector`](crate::Elector).
 ///
 /// Defaults follow client-go: lease 15 s, renew deadline 10 s, retry period 2 s; drain timeout
 /// 30 s. k0s uses 60 s / 15 s / 5 s: `ElectorConfig::new(key, id).with_timings(60s, 15s, 5s)`.

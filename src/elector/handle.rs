@@ -167,7 +167,7 @@ impl Shared {
     }
 }
 
-/// A leader elector for one lease key. See the [module docs](self) for its semantics.
+/// A leader elector for one lease key. See the [module docs](crate::elector) for its semantics.
 ///
 /// Created by [`Elector::spawn`], which starts a background task on the current Tokio runtime.
 /// An `Elector` is a cheap handle: clones share the one elector (like `kube::Client`), so a
@@ -184,6 +184,38 @@ impl Shared {
 /// panics makes the elector step down and shut down, and [`check_health`](Elector::check_health)
 /// report [`Error::LeaderTaskPanicked`] from then on (see
 /// [`run_leader_tasks`](crate::run_leader_tasks)).
+///
+/// # Examples
+///
+/// Two candidates on the memory store; the first leads, hands over on shutdown, and the second
+/// leads with a higher fencing token:
+///
+/// ```
+/// use std::sync::Arc;
+/// use std::time::Duration;
+/// use leasehold::{Elector, ElectorConfig, LeaseKey, MemoryStore};
+///
+/// # #[tokio::main(flavor = "current_thread", start_paused = true)]
+/// # async fn main() -> leasehold::Result<()> {
+/// let store = Arc::new(MemoryStore::new());
+/// let key = LeaseKey::new("example")?;
+/// let timings = (Duration::from_secs(2), Duration::from_millis(1500), Duration::from_millis(300));
+/// let config = |id: &str| ElectorConfig::new(key.clone(), id)
+///     .with_timings(timings.0, timings.1, timings.2)
+///     .with_trust_absence(true); // a brand-new key with one campaigner at first: take it at once
+/// let a = Elector::spawn(store.clone(), config("a"))?;
+/// let mut status = a.subscribe();
+/// status.wait_for(|s| s.is_leading()).await.expect("a runs");
+/// let first = a.current_status().0.leadership().map(|l| l.fencing_token());
+///
+/// let b = Elector::spawn(store, config("b"))?;
+/// a.shutdown().await?; // ordered: releases the lease, so b takes it at once
+/// let mut status = b.subscribe();
+/// let term = status.wait_for(|s| s.is_leading()).await.expect("b runs").leadership().cloned();
+/// assert!(term.map(|t| t.fencing_token()) > first);
+/// b.shutdown().await
+/// # }
+/// ```
 #[derive(Clone)]
 pub struct Elector {
     inner: Arc<Handle>,
@@ -231,6 +263,29 @@ impl Elector {
     ///
     /// # Panics
     /// When called outside a Tokio runtime.
+    ///
+    /// # Examples
+    ///
+    /// ```
+    /// use std::sync::Arc;
+    /// use leasehold::{Elector, ElectorConfig, Error, LeaseKey, MemoryStore};
+    ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> leasehold::Result<()> {
+    /// let config = ElectorConfig::new(LeaseKey::new("my-controller")?, leasehold::default_identity());
+    /// let elector = Elector::spawn(Arc::new(MemoryStore::new()), config)?; // client-go's timings
+    /// elector.shutdown().await?;
+    ///
+    /// // A configuration that cannot work is refused with what to fix.
+    /// let bad = ElectorConfig::new(LeaseKey::new("my-controller")?, "a")
+    ///     .with_timings(std::time::Duration::from_secs(5), std::time::Duration::from_secs(10),
+    ///                   std::time::Duration::from_secs(2));
+    /// match Elector::spawn(Arc::new(MemoryStore::new()), bad) {
+    ///     Err(Error::InvalidConfig(why)) => assert!(why.contains("lease_duration")),
+    ///     other => panic!("{other:?}"),
+    /// }
+    /// # Ok(()) }
+    /// ```
     pub fn spawn(store: DynLeaseStore, config: ElectorConfig) -> Result<Elector> {
         let caps = store.capabilities();
         if let Some(timeout) = caps.operation_timeout
@@ -503,7 +558,7 @@ impl Elector {
         }
     }
 
-    /// Shuts the elector down in order (see the [module docs](self)) and waits until it has
+    /// Shuts the elector down in order (see the [module docs](crate::elector)) and waits until it has
     /// released the lease and stopped. Concurrent and repeated calls all wait for the same end.
     ///
     /// **Called from inside a leader task of this elector's own term** (see

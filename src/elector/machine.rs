@@ -331,6 +331,8 @@ struct PendingAcquire {
     commit: bool,
     /// The token of the record the acquire replaces (`None`: it creates).
     replaced_token: Option<u64>,
+    /// The version the acquire compared against (`None`: it creates).
+    expected: Option<Version>,
 }
 
 #[derive(Debug)]
@@ -726,6 +728,7 @@ impl Machine {
                     fresh,
                     commit,
                     replaced_token,
+                    expected: expected.clone(),
                 };
                 self.on_acquire(now, expected, pending, result)
             }
@@ -930,10 +933,14 @@ impl Machine {
             (None, _) => false,
         };
         if !same {
-            if self.inflight.as_ref().is_some_and(|f| {
-                matches!(*f.purpose, Purpose::Acquire { .. } | Purpose::Verify { .. })
-            }) && self.seen_during_acquire.len() < 64
-            {
+            // While an acquire's outcome is open (in flight, being verified, or being read back
+            // after an error), remember every other state seen: leading on the acquire after
+            // the key moved on would lead on a stale state.
+            let acquiring = self.pending_acquire.is_some()
+                || self.inflight.as_ref().is_some_and(|f| {
+                    matches!(*f.purpose, Purpose::Acquire { .. } | Purpose::Verify { .. })
+                });
+            if acquiring && self.seen_during_acquire.len() < 64 {
                 self.seen_during_acquire.push(match &seen {
                     Seen::Absent => None,
                     Seen::Record(v) => Some(v.version.clone()),
@@ -1591,12 +1598,37 @@ impl Machine {
                     let landed = r.holder_identity == self.cfg.identity
                         && r.acquire_time == pending.record.acquire_time
                         && (pending.commit || r.transitions == pending.record.transitions);
+                    let token = pending.commit.then_some(r.transitions);
+                    let expected = pending.expected.clone();
+                    let version = v.version.clone();
+                    let stored = self.record_lease(r);
                     if landed {
+                        let pending = self.pending_acquire.take();
+                        if self.superseded(&expected, &version) {
+                            // The read answers with our acquire, but a later state was seen
+                            // since it was sent (a watch ran ahead of the read): the key moved
+                            // on. Never lead on it.
+                            warn!(
+                                "an acquire that reported an error did land, but the lease changed since; not leading on it"
+                            );
+                            self.acquire_failed(now);
+                            return;
+                        }
                         info!("an acquire that reported an error did land");
-                        let token = pending.commit.then_some(r.transitions);
-                        let version = v.version.clone();
-                        let stored = self.record_lease(r);
-                        if let Some(pending) = self.pending_acquire.take() {
+                        if token.is_some() {
+                            // The store assigned the token, but its answer was lost: the record
+                            // may show another writer's edit of it since. Take the record over
+                            // again at once, to lead on a token the store's answer names.
+                            let replaced = r.transitions;
+                            self.observe(now, seen);
+                            if replaced == u64::MAX {
+                                self.tokens_exhausted(now, replaced);
+                            } else {
+                                self.acquire_at_commit(now, Some(version), Some(replaced));
+                            }
+                            return;
+                        }
+                        if let Some(pending) = pending {
                             self.acquired(now, *pending, version, token, stored);
                         }
                         return;

@@ -11,8 +11,8 @@
 //! named regression tests:
 //!
 //! 1. **At most one valid term at any instant.** A term is *valid* from the moment its elector
-//!    publishes [`LeaderStatus::Leading`] until the earlier of its step-down and
-//!    [`Leadership::valid_until`]. Validity terms of different electors never overlap.
+//!    publishes [`LeaderStatus::Leading`](crate::LeaderStatus::Leading) until the earlier of its step-down and
+//!    [`Leadership::valid_until`](crate::Leadership::valid_until). Validity terms of different electors never overlap.
 //! 2. **Fencing tokens strictly increase from term to term** on a key, also across deletion or
 //!    loss of the record where the store has a monotonic source (see
 //!    [`LeaseStore::acquire`](crate::LeaseStore::acquire),
@@ -21,7 +21,7 @@
 //!    ([`Capabilities::commit_tokens`](crate::Capabilities::commit_tokens)) no token is issued
 //!    twice, not even to a void term. No term starts with a token that is not above the last
 //!    one seen: when none can be represented, the elector does not lead and reports
-//!    [`Error::TokenExhausted`] through [`Elector::store_health`].
+//!    [`Error::TokenExhausted`](crate::Error::TokenExhausted) through [`Elector::store_health`].
 //! 3. **Prompt takeover.** Once faults stop, some elector leads within
 //!    `lease_duration + renew_deadline + 2.2 × retry_period` (scaled by the clock-rate bound, plus
 //!    a few store round trips), polling followers included.
@@ -45,10 +45,10 @@
 //!   rates may differ by a factor ρ with `(1 + ρ) × renew_deadline < (1 − ρ) × lease_duration`
 //!   (about ±20 % with the defaults). Wall clocks and record timestamps do not matter.
 //! - **No suspend of `CLOCK_MONOTONIC`.** A pause of the process (SIGSTOP, a GC or VM stall) is
-//!   fine: the monotonic clock keeps running, and [`Leadership::ensure_leading`] fails once the
+//!   fine: the monotonic clock keeps running, and [`Leadership::ensure_leading`](crate::Leadership::ensure_leading) fails once the
 //!   term's validity passed. A system suspend that stops the monotonic clock is not.
 //! - **Fencing for side effects.** Task code that acts on a term calls
-//!   [`Leadership::ensure_leading`] (or [`LeaderContext::ensure_leading`](crate::LeaderContext::ensure_leading))
+//!   [`Leadership::ensure_leading`](crate::Leadership::ensure_leading) (or [`LeaderContext::ensure_leading`](crate::LeaderContext::ensure_leading))
 //!   right before the side effect and passes the fencing token to systems that can check it. A
 //!   check cannot stop a process that pauses right after it; the token can.
 //! - **The store keeps its contract** ([`LeaseStore`](crate::LeaseStore)): compare-and-swap is
@@ -84,7 +84,7 @@
 //!   new term.
 //! - **Ordered release.** [`Elector::shutdown`] and [`Elector::yield_for`] end the term (status
 //!   changes, tasks are cancelled with [`StopCause::SteppedDown`](crate::StopCause::SteppedDown)), **keep renewing** while every
-//!   [`Leadership`] guard is dropped (up to [`ElectorConfig::drain_timeout`]), then revoke the term
+//!   [`Leadership`](crate::Leadership) guard is dropped (up to [`ElectorConfig::drain_timeout`]), then revoke the term
 //!   and write the release (empty holder, lease duration 1 s, as client-go). An in-flight renewal
 //!   is awaited, not abandoned, so the release goes to the right version. If tasks outlive the
 //!   drain timeout, the term is revoked and the lease is **not** released: it expires, and the next
@@ -99,7 +99,7 @@
 //! - **Leader task panics.** A task run by [`run_leader_tasks`](crate::run_leader_tasks) that
 //!   panics ends the term: the elector steps down, stops campaigning and shuts down in order
 //!   (the lease is released once the panicked task's guard is gone), `check_health` reports
-//!   [`Error::LeaderTaskPanicked`] for the rest of the elector's life, and the panic is resumed
+//!   [`Error::LeaderTaskPanicked`](crate::Error::LeaderTaskPanicked) for the rest of the elector's life, and the panic is resumed
 //!   to `run_leader_tasks`' caller. No zombie leader keeps renewing with no leader work running.
 //! - **Corrupt records** are treated as held by an unknown holder and replaced only after they
 //!   stayed unchanged for a whole lease duration. Absurd lease durations in records are treated as
