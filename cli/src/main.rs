@@ -55,6 +55,8 @@ struct Cli {
 }
 
 #[derive(Subcommand, Debug)]
+// Parsed once per process: the size of the `run` variant does not matter.
+#[allow(clippy::large_enum_variant)]
 enum Commands {
     /// Campaign for a lease and run a command only while holding it.
     #[command(

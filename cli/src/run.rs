@@ -531,7 +531,7 @@ impl Flag<'_> {
 /// A duration as a flag value in whole milliseconds: `3s`, or `3333ms`.
 fn ms(d: Duration) -> String {
     let ms = d.as_millis();
-    if ms % 1000 == 0 {
+    if ms.is_multiple_of(1000) {
         format!("{}s", ms / 1000)
     } else {
         format!("{ms}ms")
