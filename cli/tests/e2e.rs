@@ -769,11 +769,22 @@ fn demo_shows_a_handover_and_a_crash_failover() {
         "handover latency",
         "CRASHED",
         "failover latency",
-        "fencing token 3",
         "summary:",
     ] {
         assert!(out.contains(s), "{s} in:\n{out}");
     }
+    // Three terms (alpha, bravo after the handover, charlie after the crash), their fencing
+    // tokens strictly increasing (tokens assigned at commit need not be consecutive).
+    let tokens: Vec<u64> = out
+        .split("LEADS  (fencing token ")
+        .skip(1)
+        .map(|t| t.split(')').next().unwrap().parse().unwrap())
+        .collect();
+    assert_eq!(tokens.len(), 3, "{out}");
+    assert!(
+        tokens.windows(2).all(|w| w[0] < w[1]),
+        "{tokens:?} in:\n{out}"
+    );
     println!("{out}");
 }
 
