@@ -490,6 +490,87 @@ pub(crate) struct Supervised {
     done: Option<ExitStatus>,
 }
 
+/// Why a command cannot be run, found before campaigning.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) enum NotRunnable {
+    /// No such file (or not on `PATH`): exit code 127, as shells report it.
+    NotFound(String),
+    /// It exists but cannot be executed (no execute permission, a directory): exit code 126.
+    NotExecutable(String),
+}
+
+/// Checks that `program` can be executed the way the shim will start it (`execvp`'s rules: a
+/// name with a `/` is a path, any other name is looked up in the directories of `path`, the
+/// value of `PATH`, an empty entry meaning the current directory), before `leasehold run`
+/// campaigns. Returns the path found. Whatever changes after the check (a file removed, an
+/// interpreter missing) is still reported when the shim starts the command (127 or 126).
+pub(crate) fn check_program(
+    program: &std::ffi::OsStr,
+    path: Option<&std::ffi::OsStr>,
+) -> Result<std::path::PathBuf, NotRunnable> {
+    use std::os::unix::ffi::OsStrExt;
+    use std::path::{Path, PathBuf};
+    let shown = program.to_string_lossy().into_owned();
+    if program.is_empty() {
+        return Err(NotRunnable::NotFound(
+            "the command name is empty".to_owned(),
+        ));
+    }
+    let executable = |p: &Path| -> Result<(), String> {
+        match std::fs::metadata(p) {
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Err(String::new()),
+            Err(e) => Err(format!("{}: {e}", p.display())),
+            Ok(m) if m.is_dir() => Err(format!("{} is a directory", p.display())),
+            Ok(_) => rustix::fs::access(p, rustix::fs::Access::EXEC_OK).map_err(|e| {
+                format!(
+                    "{} is not executable ({}; chmod +x it, or run it through its interpreter)",
+                    p.display(),
+                    std::io::Error::from(e)
+                )
+            }),
+        }
+    };
+    if program.as_bytes().contains(&b'/') {
+        let p = PathBuf::from(program);
+        return match executable(&p) {
+            Ok(()) => Ok(p),
+            Err(why) if why.is_empty() => {
+                Err(NotRunnable::NotFound(format!("{shown}: no such file")))
+            }
+            Err(why) => Err(NotRunnable::NotExecutable(why)),
+        };
+    }
+    // execvp's search list when PATH is unset (glibc's).
+    let dirs = path.map_or_else(
+        || std::ffi::OsString::from("/bin:/usr/bin"),
+        std::ffi::OsStr::to_os_string,
+    );
+    let mut refused = None;
+    for dir in std::env::split_paths(&dirs) {
+        let dir = if dir.as_os_str().is_empty() {
+            PathBuf::from(".")
+        } else {
+            dir
+        };
+        let p = dir.join(program);
+        match executable(&p) {
+            Ok(()) => return Ok(p),
+            Err(why) if why.is_empty() => {}
+            // execvp goes on searching, and reports the refusal only if nothing else is found.
+            Err(why) => {
+                refused.get_or_insert(why);
+            }
+        }
+    }
+    Err(match refused {
+        Some(why) => NotRunnable::NotExecutable(why),
+        None => NotRunnable::NotFound(format!(
+            "{shown}: command not found in PATH ({})",
+            dirs.to_string_lossy()
+        )),
+    })
+}
+
 /// Whether the shim talks to `leasehold` over pipes on this platform.
 const PIPES: bool = cfg!(any(target_os = "linux", target_os = "android"));
 

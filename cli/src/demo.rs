@@ -217,11 +217,13 @@ fn ms(d: Duration) -> String {
 }
 
 pub(crate) fn demo(args: DemoArgs) -> Result<u8, CliError> {
-    let lease = args.lease_duration;
+    let lease = args.lease_duration.value;
     if lease < Duration::from_millis(300) || lease > Duration::from_secs(60) {
-        return Err(CliError::usage(
-            "--lease-duration must be between 300ms and 60s",
-        ));
+        return Err(CliError::usage(format!(
+            "--lease-duration {} is out of range: the demo's lease duration must be between \
+             300ms and 60s (default 1s)",
+            args.lease_duration.text
+        )));
     }
     let renew = lease.mul_f64(0.7);
     let retry = lease / 5;

@@ -19,7 +19,8 @@ For each lease: the holder, the fencing token (the record's transition count), t
 duration, when the holder acquired and last renewed it, and whether it looks expired. Whether
 it looks expired is judged from the record's timestamps (the holder's wall clock at its last
 renewal, plus the lease duration, against this machine's wall clock): clock skew between the
-machines shifts it. Electors themselves never use these timestamps.
+machines shifts it. Electors themselves never use these timestamps. When a row of the table
+says \"expired?\", a note on stderr says so.
 
 Output: a table, or with --json one JSON object per lease and line, with the fields lease,
 exists, holder (null when vacant), fencing_token, lease_duration_seconds, acquire_time and
@@ -122,7 +123,8 @@ fn state_word(r: &LeaseRecord) -> &'static str {
     }
 }
 
-fn table(rows: &[(String, Option<Versioned>)]) -> String {
+/// The table, and whether a row says "expired?".
+fn table(rows: &[(String, Option<Versioned>)]) -> (String, bool) {
     let mut lines = vec![[
         "LEASE".to_owned(),
         "HOLDER".into(),
@@ -180,11 +182,13 @@ fn table(rows: &[(String, Option<Versioned>)]) -> String {
         out.push_str(cells.join("  ").trim_end());
         out.push('\n');
     }
-    out.push_str(
-        "(STATE \"expired?\" is judged from the record's timestamps and this machine's clock)\n",
-    );
-    out
+    let expired = lines.iter().any(|l| l[6] == "expired?");
+    (out, expired)
 }
+
+/// The table's footnote, printed on stderr when a row says "expired?".
+const EXPIRED_FOOTNOTE: &str =
+    "leasehold: STATE \"expired?\" is judged from the record's timestamps and this machine's clock";
 
 pub(crate) async fn status(args: StatusArgs) -> Result<u8, CliError> {
     let (store, url) = open(&args.store).await?;
@@ -210,7 +214,8 @@ pub(crate) async fn status(args: StatusArgs) -> Result<u8, CliError> {
                     return Ok(0);
                 }
                 Err(e) => {
-                    return Err(CliError::store(
+                    return Err(stores::store_error(
+                        &url,
                         &format!("cannot read lease {key} on {shown}"),
                         e,
                     ));
@@ -223,7 +228,9 @@ pub(crate) async fn status(args: StatusArgs) -> Result<u8, CliError> {
             store
                 .list(&prefix)
                 .await
-                .map_err(|e| CliError::store(&format!("cannot list leases {p:?}* on {shown}"), e))?
+                .map_err(|e| {
+                    stores::store_error(&url, &format!("cannot list leases {p:?}* on {shown}"), e)
+                })?
                 .into_iter()
                 .map(|(k, v)| (k.to_string(), Some(v)))
                 .collect()
@@ -237,7 +244,11 @@ pub(crate) async fn status(args: StatusArgs) -> Result<u8, CliError> {
     } else if rows.is_empty() {
         crate::exit::outln!("no leases under that prefix on {shown}");
     } else {
-        crate::exit::outln!("{}", table(&rows).trim_end());
+        let (table, expired) = table(&rows);
+        crate::exit::outln!("{}", table.trim_end());
+        if expired {
+            eprintln!("{EXPIRED_FOOTNOTE}");
+        }
     }
     Ok(0)
 }
@@ -304,7 +315,8 @@ pub(crate) async fn watch(args: WatchArgs) -> Result<u8, CliError> {
             let current = match store.get(&key).await {
                 Ok(v) => v,
                 Err(e) if first => {
-                    return Err(CliError::store(
+                    return Err(stores::store_error(
+                        &url,
                         &format!("cannot read lease {key} on {shown}"),
                         e,
                     ));
@@ -414,10 +426,9 @@ pub(crate) async fn release(args: ReleaseArgs) -> Result<u8, CliError> {
     }
     let (store, url) = open(&args.store).await?;
     let shown = url.display();
-    let current = store
-        .get(&key)
-        .await
-        .map_err(|e| CliError::store(&format!("cannot read lease {key} on {shown}"), e))?;
+    let current = store.get(&key).await.map_err(|e| {
+        stores::store_error(&url, &format!("cannot read lease {key} on {shown}"), e)
+    })?;
     let Some(current) = current else {
         crate::exit::outln!("lease {key} has no record on {shown}; nothing to release");
         return Ok(0);
@@ -479,7 +490,11 @@ pub(crate) async fn release(args: ReleaseArgs) -> Result<u8, CliError> {
                 ),
             ))
         }
-        Err(e) => Err(CliError::store(&format!("cannot release lease {key}"), e)),
+        Err(e) => Err(stores::store_error(
+            &url,
+            &format!("cannot release lease {key}"),
+            e,
+        )),
     }
 }
 

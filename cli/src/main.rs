@@ -55,6 +55,8 @@ struct Cli {
 }
 
 #[derive(Subcommand, Debug)]
+// Parsed once per process: the size of the `run` variant does not matter.
+#[allow(clippy::large_enum_variant)]
 enum Commands {
     /// Campaign for a lease and run a command only while holding it.
     #[command(
@@ -120,8 +122,86 @@ impl StoreArgs {
     }
 }
 
-fn duration(s: &str) -> Result<Duration, String> {
-    humantime::parse_duration(s).map_err(|e| format!("{e} (write e.g. 15s, 500ms, 1m)"))
+/// A duration argument: its value and the text it was given as (messages echo the text, so
+/// `0s` reads as `0s`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct DurationArg {
+    value: Duration,
+    text: String,
+}
+
+/// What each duration flag defaults to and the rule it must meet (for messages).
+fn duration_rule(flag: &str) -> (&'static str, &'static str) {
+    match flag {
+        "lease_duration" => ("15s", "it must be longer than --renew-deadline"),
+        "renew_deadline" => (
+            "10s",
+            "it must be shorter than --lease-duration and longer than 1.2 × --retry-period",
+        ),
+        "retry_period" => (
+            "2s",
+            "it must be longer than zero, and --renew-deadline longer than 1.2 times it",
+        ),
+        "grace" => ("10s", "it must be longer than zero"),
+        "healthz_timeout" => ("10s", "it may be zero"),
+        "demo_lease_duration" => ("1s", "it must be between 300ms and 60s"),
+        _ => ("none", "it is a length of time"),
+    }
+}
+
+/// The value parser of every duration flag: humantime durations (`15s`, `500ms`, `1m`). Its
+/// flags accept values that start with `-` (`allow_hyphen_values`), so that `-5s` is reported
+/// as a bad duration for its flag instead of as an unexpected argument.
+#[derive(Clone, Copy, Debug)]
+struct DurationParser;
+
+impl clap::builder::TypedValueParser for DurationParser {
+    type Value = DurationArg;
+
+    fn parse_ref(
+        &self,
+        cmd: &clap::Command,
+        arg: Option<&clap::Arg>,
+        value: &std::ffi::OsStr,
+    ) -> Result<DurationArg, clap::Error> {
+        let id = arg.map_or("", |a| a.get_id().as_str());
+        let flag = arg
+            .and_then(clap::Arg::get_long)
+            .map_or_else(|| "the duration".to_owned(), |l| format!("--{l}"));
+        let text = value.to_string_lossy();
+        match parse_duration(&text) {
+            Ok(value) => Ok(DurationArg {
+                value,
+                text: text.trim().to_owned(),
+            }),
+            Err(why) => {
+                let (default, rule) = duration_rule(id);
+                let message = format!(
+                    "invalid value {text:?} for {flag}: {why}\n  {flag} takes a length of time \
+                     such as 15s, 500ms or 1m (default {default}; {rule})\n"
+                );
+                Err(
+                    clap::Error::raw(clap::error::ErrorKind::ValueValidation, message)
+                        .with_cmd(cmd),
+                )
+            }
+        }
+    }
+}
+
+/// Parses a duration, with the reason in words when it is not one.
+fn parse_duration(s: &str) -> Result<Duration, String> {
+    let t = s.trim();
+    if let Some(rest) = t.strip_prefix('-') {
+        return Err(
+            if rest.starts_with(|c: char| c.is_ascii_digit() || c == '.') {
+                "a duration cannot be negative".to_owned()
+            } else {
+                "that is an option, not a duration (the value goes right after the flag)".to_owned()
+            },
+        );
+    }
+    humantime::parse_duration(t).map_err(|e| format!("not a duration: {e}"))
 }
 
 /// Arguments of `leasehold run`.
@@ -135,20 +215,26 @@ struct RunArgs {
     /// This candidate's identity [default: HOSTNAME-RANDOM].
     #[arg(long, value_name = "ID")]
     identity: Option<String>,
-    /// How long followers wait after the holder's last renewal before taking over.
-    #[arg(long, value_name = "DURATION", default_value = "15s", value_parser = duration)]
-    lease_duration: Duration,
+    /// How long followers wait after the holder's last renewal before taking over
+    /// [default: 15s].
+    #[arg(long, value_name = "DURATION", value_parser = DurationParser, allow_hyphen_values = true)]
+    lease_duration: Option<DurationArg>,
     /// How long a term stays valid after its last confirmed renewal; the command is stopped
-    /// when it passes without a renewal.
-    #[arg(long, value_name = "DURATION", default_value = "10s", value_parser = duration)]
-    renew_deadline: Duration,
-    /// How often the holder renews (and a follower without a watch polls).
-    #[arg(long, value_name = "DURATION", default_value = "2s", value_parser = duration)]
-    retry_period: Duration,
+    /// when it passes without a renewal [default: 10s].
+    #[arg(long, value_name = "DURATION", value_parser = DurationParser, allow_hyphen_values = true)]
+    renew_deadline: Option<DurationArg>,
+    /// How often the holder renews (and a follower without a watch polls) [default: 2s].
+    #[arg(long, value_name = "DURATION", value_parser = DurationParser, allow_hyphen_values = true)]
+    retry_period: Option<DurationArg>,
     /// How long the command gets between SIGTERM and SIGKILL when leasehold stops it (on a
     /// lost lease at most lease-duration - renew-deadline, see below).
-    #[arg(long, value_name = "DURATION", default_value = "10s", value_parser = duration)]
-    grace: Duration,
+    #[arg(long, value_name = "DURATION", default_value = "10s", value_parser = DurationParser, allow_hyphen_values = true)]
+    grace: DurationArg,
+    /// Create a lease that has no record at once, instead of after it stayed absent for one
+    /// lease duration. Only safe when no holder can exist while the record is missing (see
+    /// "A brand-new lease" below).
+    #[arg(long)]
+    trust_absence: bool,
     /// Campaign again after the command exits (or the lease is lost), and run it again.
     #[arg(long)]
     restart: bool,
@@ -157,8 +243,8 @@ struct RunArgs {
     http: Option<std::net::SocketAddr>,
     /// /healthz fails when leasehold believes it leads but its last renewal is older than
     /// --renew-deadline plus this (client-go's HealthzAdaptor timeout), or when it failed.
-    #[arg(long, value_name = "DURATION", default_value = "10s", value_parser = duration)]
-    healthz_timeout: Duration,
+    #[arg(long, value_name = "DURATION", default_value = "10s", value_parser = DurationParser, allow_hyphen_values = true)]
+    healthz_timeout: DurationArg,
     /// The command and its arguments (after `--`).
     #[arg(
         last = true,
@@ -255,8 +341,8 @@ struct ReleaseArgs {
 #[derive(Args, Debug)]
 struct DemoArgs {
     /// Lease duration of the demo's candidates (renew deadline and retry period scale with it).
-    #[arg(long, value_name = "DURATION", default_value = "1s", value_parser = duration)]
-    lease_duration: Duration,
+    #[arg(id = "demo_lease_duration", long = "lease-duration", value_name = "DURATION", default_value = "1s", value_parser = DurationParser, allow_hyphen_values = true)]
+    lease_duration: DurationArg,
 }
 
 fn main() -> ExitCode {
@@ -316,16 +402,54 @@ fn main() -> ExitCode {
 }
 
 /// Logs from the library go to stderr, `warn` and above unless `RUST_LOG` says otherwise
-/// (kube-rs's own request errors are left out: leasehold reports them itself).
+/// (kube-rs's own request errors are left out: leasehold reports them itself). Without
+/// `RUST_LOG` they read like leasehold's own lines (`leasehold: warning: …`); with it, they
+/// have tracing's full format (time, level, spans) for debugging.
 fn init_logging() {
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn,kube_client=off"));
-    let _ = tracing_subscriber::fmt()
+    let from_env = tracing_subscriber::EnvFilter::try_from_default_env().ok();
+    let verbose = from_env.is_some();
+    let filter =
+        from_env.unwrap_or_else(|| tracing_subscriber::EnvFilter::new("warn,kube_client=off"));
+    let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .with_target(false)
-        .try_init();
+        .with_target(false);
+    let _ = if verbose {
+        builder.try_init()
+    } else {
+        builder
+            .with_ansi(false)
+            .event_format(PlainFormat)
+            .try_init()
+    };
+}
+
+/// `leasehold: LEVEL: message fields`, one line per event (see [`init_logging`]).
+struct PlainFormat;
+
+impl<S, N> tracing_subscriber::fmt::FormatEvent<S, N> for PlainFormat
+where
+    S: tracing::Subscriber + for<'a> tracing_subscriber::registry::LookupSpan<'a>,
+    N: for<'a> tracing_subscriber::fmt::FormatFields<'a> + 'static,
+{
+    fn format_event(
+        &self,
+        ctx: &tracing_subscriber::fmt::FmtContext<'_, S, N>,
+        mut writer: tracing_subscriber::fmt::format::Writer<'_>,
+        event: &tracing::Event<'_>,
+    ) -> std::fmt::Result {
+        let level = match *event.metadata().level() {
+            tracing::Level::ERROR => "error",
+            tracing::Level::WARN => "warning",
+            tracing::Level::INFO => "info",
+            tracing::Level::DEBUG => "debug",
+            tracing::Level::TRACE => "trace",
+        };
+        write!(writer, "leasehold: {level}: ")?;
+        ctx.field_format().format_fields(writer.by_ref(), event)?;
+        writeln!(writer)
+    }
 }
 
 #[cfg(test)]
@@ -358,7 +482,10 @@ mod tests {
         match cli.command {
             Commands::Run(a) => {
                 assert_eq!(a.cmd, ["sh", "-c", "echo hi"]);
-                assert_eq!(a.lease_duration, Duration::from_secs(2));
+                assert_eq!(
+                    a.lease_duration.map(|d| d.value),
+                    Some(Duration::from_secs(2))
+                );
             }
             other => panic!("{other:?}"),
         }

@@ -9,7 +9,7 @@ use tokio::signal::unix::{SignalKind, signal};
 use tokio_util::sync::CancellationToken;
 
 use crate::exit::{self, CliError};
-use crate::{RunArgs, child, http, refusal, stores};
+use crate::{DurationArg, RunArgs, child, http, refusal, stores};
 
 pub(crate) const LONG_ABOUT: &str = "\
 Campaign for a lease and run a command only while holding it.
@@ -44,7 +44,17 @@ If leasehold is paused, the supervisor stops the command's group at the term's d
 Processes the command started in other process groups are not covered. On platforms other
 than Linux the supervisor has no deadline, and it checks every 20 ms whether leasehold died.
 The command runs in a background process group: it must not read from the terminal (that
-stops it with SIGTTIN); give it its input through a pipe or a file.";
+stops it with SIGTTIN); give it its input through a pipe or a file.
+
+A brand-new lease: when the lease has no record yet, leasehold creates it only after the
+record stayed absent for one lease duration, so the first start on a new lease waits that long
+(15 s by default). A missing record is no proof that nobody holds the lease: the store cannot
+tell a lease never created from one whose record was deleted (`leasehold release --delete`,
+`kubectl delete lease`) or lost (a Redis restart without persistence) while its holder runs,
+and that holder's term stays valid until its renew deadline. --trust-absence creates a missing
+record at once (client-go's behaviour). It risks two commands running at once, for up to
+--renew-deadline, if a holder was running when the record vanished: use it only where nothing
+can hold the lease while its record is missing, such as a lease with a single candidate.";
 
 pub(crate) const EXAMPLES: &str = "\
 Examples:
@@ -81,26 +91,44 @@ pub(crate) async fn run(args: RunArgs) -> Result<u8, CliError> {
     let handlers = install_handlers()?;
     let url = args.store.url()?;
     let key = LeaseKey::new(&args.lease).map_err(|e| CliError::usage(e.to_string()))?;
+    let t = timings(&args)?;
+    // A command that cannot be started is reported now, not after taking the lease.
+    if let Some(program) = args.cmd.first() {
+        let path = std::env::var_os("PATH");
+        match child::check_program(program, path.as_deref()) {
+            Ok(_) => {}
+            Err(child::NotRunnable::NotFound(why)) => {
+                return Err(CliError::new(
+                    exit::NOT_FOUND,
+                    format!("cannot run the command: {why}; not campaigning"),
+                ));
+            }
+            Err(child::NotRunnable::NotExecutable(why)) => {
+                return Err(CliError::new(
+                    exit::NOT_EXECUTABLE,
+                    format!("cannot run the command: {why}; not campaigning"),
+                ));
+            }
+        }
+    }
     let identity = args
         .identity
         .clone()
         .unwrap_or_else(leasehold::default_identity);
     let config = ElectorConfig::new(key.clone(), identity.clone())
-        .with_timings(args.lease_duration, args.renew_deadline, args.retry_period)
+        .with_timings(t.lease_duration, t.renew_deadline, t.retry_period)
+        .with_trust_absence(args.trust_absence)
         // The command is stopped (SIGTERM, --grace, SIGKILL) before the release: give the
         // drain that long and a little more.
-        .with_drain_timeout(args.grace.saturating_add(Duration::from_secs(5)));
+        .with_drain_timeout(t.grace.saturating_add(Duration::from_secs(5)));
     config.validate().map_err(|e| {
         CliError::usage(format!(
             "{e} (--lease-duration, --renew-deadline, --retry-period, --grace)"
         ))
     })?;
-    if args.grace.is_zero() {
-        return Err(CliError::usage("--grace must be longer than zero"));
-    }
     // A store operation must end well inside the renew deadline.
     let timeouts = stores::Timeouts {
-        operation: (args.renew_deadline / 2).min(Duration::from_secs(2)),
+        operation: (t.renew_deadline / 2).min(Duration::from_secs(2)),
         connect: Duration::from_secs(3),
     };
     let shown = url.display();
@@ -111,7 +139,8 @@ pub(crate) async fn run(args: RunArgs) -> Result<u8, CliError> {
         Ok(v) => v.is_none(),
         Err(leasehold::Error::Corrupt { .. }) => false,
         Err(e) => {
-            return Err(CliError::store(
+            return Err(stores::store_error(
+                &url,
                 &format!("cannot read lease {key} on {shown}"),
                 e,
             ));
@@ -125,17 +154,22 @@ pub(crate) async fn run(args: RunArgs) -> Result<u8, CliError> {
         .map_err(|e| CliError::store("cannot start the elector", e))?;
     if let Some(server) = metrics {
         let addr = server.local_addr();
-        server.serve(elector.clone(), args.healthz_timeout);
+        server.serve(elector.clone(), args.healthz_timeout.value);
         say(format!("serving /healthz and /metrics on http://{addr}"));
     }
     say(format!(
         "campaigning for lease {key} on {shown} as {identity}"
     ));
-    if absent {
+    if absent && args.trust_absence {
+        say(format!(
+            "lease {key} has no record yet: creating it at once (--trust-absence)"
+        ));
+    } else if absent {
         say(format!(
             "lease {key} has no record yet: it is created after it stayed absent for one lease \
-             duration ({}; a missing record is no proof that nobody holds it)",
-            humantime::format_duration(args.lease_duration)
+             duration ({}; a missing record is no proof that nobody holds it, see \
+             --trust-absence in --help)",
+            humantime::format_duration(t.lease_duration)
         ));
     }
 
@@ -148,13 +182,14 @@ pub(crate) async fn run(args: RunArgs) -> Result<u8, CliError> {
     // After a lost term the command must be gone before another candidate may take over
     // (lease − renew deadline after the deadline); a tenth of that, at most 1 s, is left for
     // the scheduling of the processes that kill it.
-    let slack = args.lease_duration.saturating_sub(args.renew_deadline);
-    let lost_grace = args
+    let slack = t.lease_duration.saturating_sub(t.renew_deadline);
+    let lost_grace = t
         .grace
         .min(slack.saturating_sub((slack / 10).min(Duration::from_secs(1))))
         .max(Duration::from_millis(1));
     let ctx = TaskCtx {
         args: &args,
+        timings: t,
         key: &key,
         identity: &identity,
         state: &state,
@@ -170,7 +205,7 @@ pub(crate) async fn run(args: RunArgs) -> Result<u8, CliError> {
     tokio::select! {
         () = &mut tasks => {}
         () = signals(handlers, &state, &parent) => {}
-        () = progress(&elector, &key, args.retry_period) => {}
+        () = progress(&elector, &key, t.retry_period) => {}
         e = refusals.first() => {
             // The store refuses us for good: stop (in order) and exit.
             *state.fatal.borrow_mut() = Some(CliError::new(
@@ -323,6 +358,7 @@ async fn progress(elector: &Elector, key: &LeaseKey, every: Duration) {
 
 struct TaskCtx<'a> {
     args: &'a RunArgs,
+    timings: Timings,
     key: &'a LeaseKey,
     identity: &'a str,
     state: &'a State,
@@ -348,9 +384,9 @@ impl TaskCtx<'_> {
             fencing_token: token,
         };
         let timing = child::Timing {
-            grace: self.args.grace,
+            grace: self.timings.grace,
             lost_grace: self.lost_grace,
-            feed_every: (self.args.retry_period / 4)
+            feed_every: (self.timings.retry_period / 4)
                 .clamp(Duration::from_millis(5), Duration::from_millis(100)),
         };
         let mut proc = match child::spawn(&self.args.cmd, &env, &leader, &timing) {
@@ -370,7 +406,7 @@ impl TaskCtx<'_> {
             () = leader.cancelled() => {
                 let cause = leader.cause();
                 let lost = cause == Some(StopCause::LeaseLost);
-                let grace = if lost { self.lost_grace } else { self.args.grace };
+                let grace = if lost { self.lost_grace } else { self.timings.grace };
                 say(format!(
                     "{}; stopping the command: SIGTERM to {}, SIGKILL after {}",
                     match cause {
@@ -428,7 +464,7 @@ impl TaskCtx<'_> {
             ));
             // Called from inside the leader task: returns once the step-down has begun; the
             // release follows when this task returns.
-            let _ = self.elector.yield_for(self.args.retry_period).await;
+            let _ = self.elector.yield_for(self.timings.retry_period).await;
         }
     }
 }
@@ -454,4 +490,133 @@ fn shell_words(cmd: &[std::ffi::OsString]) -> String {
         })
         .collect::<Vec<_>>()
         .join(" ")
+}
+
+/// The timings of `leasehold run`, checked.
+#[derive(Clone, Copy, Debug)]
+struct Timings {
+    lease_duration: Duration,
+    renew_deadline: Duration,
+    retry_period: Duration,
+    grace: Duration,
+}
+
+/// One timing flag: its name, what was given (if anything) and its default.
+struct Flag<'a> {
+    name: &'static str,
+    given: Option<&'a DurationArg>,
+    default: Duration,
+}
+
+impl Flag<'_> {
+    fn value(&self) -> Duration {
+        self.given.map_or(self.default, |g| g.value)
+    }
+
+    /// "--renew-deadline 3s" when given, else "the default --renew-deadline of 10s (not given)".
+    fn shown(&self) -> String {
+        match self.given {
+            Some(g) => format!("{} {}", self.name, g.text),
+            None => format!(
+                "{} (not given: its default is {})",
+                self.name,
+                humantime::format_duration(self.default)
+            ),
+        }
+    }
+}
+
+/// A duration as a flag value in whole milliseconds: `3s`, or `3333ms`.
+fn ms(d: Duration) -> String {
+    let ms = d.as_millis();
+    if ms.is_multiple_of(1000) {
+        format!("{}s", ms / 1000)
+    } else {
+        format!("{ms}ms")
+    }
+}
+
+/// Checks the timing flags against the elector's rules, naming the flags, the defaults that
+/// apply and the rule in each message.
+fn timings(args: &RunArgs) -> Result<Timings, CliError> {
+    let lease = Flag {
+        name: "--lease-duration",
+        given: args.lease_duration.as_ref(),
+        default: Duration::from_secs(15),
+    };
+    let renew = Flag {
+        name: "--renew-deadline",
+        given: args.renew_deadline.as_ref(),
+        default: Duration::from_secs(10),
+    };
+    let retry = Flag {
+        name: "--retry-period",
+        given: args.retry_period.as_ref(),
+        default: Duration::from_secs(2),
+    };
+    let max = leasehold::elector::MAX_TIMING;
+    for f in [&lease, &renew, &retry] {
+        if f.value() > max {
+            return Err(CliError::usage(format!(
+                "{} is longer than the maximum of {}",
+                f.shown(),
+                humantime::format_duration(max)
+            )));
+        }
+    }
+    // client-go's ratio (15 s, 10 s, 2 s) for a suggestion that meets every rule.
+    let suggest = |l: Duration| {
+        format!(
+            "for example --lease-duration {} --renew-deadline {} --retry-period {} \
+             (client-go's 15s/10s/2s ratio)",
+            ms(l),
+            ms(l.mul_f64(2.0 / 3.0)),
+            ms(l.mul_f64(2.0 / 15.0))
+        )
+    };
+    if retry.value().is_zero() {
+        return Err(CliError::usage(format!(
+            "{} must be longer than zero (the default is 2s)",
+            retry.shown()
+        )));
+    }
+    if lease.value().is_zero() {
+        return Err(CliError::usage(format!(
+            "{} must be longer than zero (the default is 15s) and longer than {}",
+            lease.shown(),
+            renew.shown()
+        )));
+    }
+    if lease.value() <= renew.value() {
+        return Err(CliError::usage(format!(
+            "{} must be longer than {}: the lease may only expire after the holder's renew \
+             deadline has passed; {}",
+            lease.shown(),
+            renew.shown(),
+            suggest(lease.value())
+        )));
+    }
+    if renew.value().as_secs_f64() <= 1.2 * retry.value().as_secs_f64() {
+        return Err(CliError::usage(format!(
+            "{} must be longer than {}, 1.2 times {}: a renewal must have time for a retry \
+             before the deadline; {}",
+            renew.shown(),
+            ms(retry.value().mul_f64(1.2)),
+            retry.shown(),
+            suggest(lease.value())
+        )));
+    }
+    if args.grace.value.is_zero() {
+        return Err(CliError::usage(format!(
+            "--grace {} must be longer than zero (the default is 10s): it is how long the \
+             command has between SIGTERM and SIGKILL",
+            args.grace.text
+        )));
+    }
+    Ok(Timings {
+        lease_duration: lease.value(),
+        renew_deadline: renew.value(),
+        retry_period: retry.value(),
+        grace: args.grace.value,
+    })
 }

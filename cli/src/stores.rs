@@ -58,6 +58,8 @@ pub(crate) enum StoreUrl {
         tls: bool,
         /// The key namespace prefix (`?prefix=`).
         prefix: Option<String>,
+        /// The password came from [`PASSWORD_ENV`] (the URL has none).
+        password_from_env: bool,
     },
     /// `etcd://` or `etcds://`.
     Etcd {
@@ -69,6 +71,8 @@ pub(crate) enum StoreUrl {
         user: Option<(String, Secret)>,
         /// The key prefix (`?prefix=`).
         prefix: Option<String>,
+        /// The password came from [`PASSWORD_ENV`] (the URL has none).
+        password_from_env: bool,
     },
     /// `kube://[namespace]`.
     Kube {
@@ -82,12 +86,18 @@ impl StoreUrl {
     pub(crate) fn display(&self) -> String {
         match self {
             StoreUrl::Memory => "memory://".into(),
-            StoreUrl::Redis { redacted, .. } => redacted.clone(),
+            StoreUrl::Redis {
+                redacted, prefix, ..
+            } => match prefix {
+                Some(p) => format!("{redacted}?prefix={p}"),
+                None => redacted.clone(),
+            },
             StoreUrl::Etcd {
                 endpoints,
                 tls,
                 user,
                 prefix,
+                ..
             } => {
                 let hosts: Vec<&str> = endpoints
                     .iter()
@@ -113,6 +123,9 @@ impl StoreUrl {
         }
     }
 }
+
+/// The message for `?prefix=` with nothing after it.
+const EMPTY_PREFIX: &str = "the prefix is empty (leave ?prefix= out for the store's default)";
 
 fn invalid(url_shown: &str, why: impl fmt::Display) -> CliError {
     CliError::usage(format!("invalid store URL {url_shown:?}: {why}\n{FORMS}"))
@@ -159,6 +172,7 @@ fn parse_redis(input: &str, env_password: Option<&str>) -> Result<StoreUrl, CliE
     for (k, v) in url.query_pairs() {
         match &*k {
             "prefix" if !v.is_empty() => prefix = Some(v.into_owned()),
+            "prefix" => return Err(invalid(&shown, EMPTY_PREFIX)),
             _ => {
                 return Err(invalid(
                     &shown,
@@ -168,11 +182,14 @@ fn parse_redis(input: &str, env_password: Option<&str>) -> Result<StoreUrl, CliE
         }
     }
     url.set_query(None);
+    let mut password_from_env = false;
     if url.password().is_none()
         && let Some(p) = env_password.filter(|p| !p.is_empty())
-        && url.set_password(Some(p)).is_err()
     {
-        return Err(invalid(&shown, "cannot add the password to this URL"));
+        if url.set_password(Some(p)).is_err() {
+            return Err(invalid(&shown, "cannot add the password to this URL"));
+        }
+        password_from_env = true;
     }
     let tls = url.scheme() == "rediss";
     // Validate with the store's own parser now, so that a bad URL is a usage error.
@@ -189,6 +206,7 @@ fn parse_redis(input: &str, env_password: Option<&str>) -> Result<StoreUrl, CliE
         url: Secret(url.to_string()),
         tls,
         prefix,
+        password_from_env,
     })
 }
 
@@ -204,6 +222,7 @@ fn parse_etcd(tls: bool, rest: &str, env_password: Option<&str>) -> Result<Store
         for (k, v) in url::form_urlencoded::parse(q.as_bytes()) {
             match &*k {
                 "prefix" if !v.is_empty() => prefix = Some(v.into_owned()),
+                "prefix" => return Err(invalid(&shown, EMPTY_PREFIX)),
                 _ => {
                     return Err(invalid(
                         &shown,
@@ -218,6 +237,7 @@ fn parse_etcd(tls: bool, rest: &str, env_password: Option<&str>) -> Result<Store
         Some((u, h)) => (Some(u), h),
         None => (None, rest),
     };
+    let mut password_from_env = false;
     let user = match userinfo {
         None => None,
         Some(u) => {
@@ -232,7 +252,10 @@ fn parse_etcd(tls: bool, rest: &str, env_password: Option<&str>) -> Result<Store
             let pass = match pass.map(decode).filter(|p| !p.is_empty()) {
                 Some(p) => p,
                 None => match env_password.filter(|p| !p.is_empty()) {
-                    Some(p) => p.to_owned(),
+                    Some(p) => {
+                        password_from_env = true;
+                        p.to_owned()
+                    }
                     None => {
                         return Err(invalid(
                             &shown,
@@ -280,6 +303,7 @@ fn parse_etcd(tls: bool, rest: &str, env_password: Option<&str>) -> Result<Store
         tls,
         user,
         prefix,
+        password_from_env,
     })
 }
 
@@ -396,7 +420,68 @@ pub(crate) async fn connect(
 /// The error for a connect failure.
 #[cfg(any(feature = "redis", feature = "etcd", feature = "kube"))]
 fn failed(url: &StoreUrl, e: leasehold::Error) -> CliError {
-    CliError::store(&format!("cannot connect to {}", url.display()), e)
+    store_error(url, &format!("cannot connect to {}", url.display()), e)
+}
+
+/// A store's message without the advice in brackets at its end (for advice of our own).
+fn without_advice(message: &str) -> &str {
+    match message.rfind(" (") {
+        Some(i) if message.ends_with(')') => &message[..i],
+        _ => message,
+    }
+}
+
+/// A store error on `url`, with `context` in front: [`CliError::store`], except that settings
+/// the store refuses (such as a bad `?prefix=`) are usage errors about the URL, and rejected
+/// credentials get advice that says where this command took them from (the URL or
+/// [`PASSWORD_ENV`]).
+pub(crate) fn store_error(url: &StoreUrl, context: &str, e: leasehold::Error) -> CliError {
+    let shown = url.display();
+    match e {
+        leasehold::Error::InvalidConfig(m) => CliError::usage(format!(
+            "invalid store URL or settings {shown}: {m}\n{FORMS}"
+        )),
+        leasehold::Error::Unauthenticated { store, message } => {
+            let (from_env, in_url, server) = match url {
+                StoreUrl::Redis {
+                    password_from_env,
+                    redacted,
+                    ..
+                } => (
+                    *password_from_env,
+                    redacted.contains('@'),
+                    "the server's requirepass/ACL users",
+                ),
+                StoreUrl::Etcd {
+                    password_from_env,
+                    user,
+                    ..
+                } => (*password_from_env, user.is_some(), "the etcd users"),
+                _ => (false, false, "the server's users"),
+            };
+            let advice = if from_env {
+                format!(
+                    "the password came from {PASSWORD_ENV}, as the URL has none: check \
+                     {PASSWORD_ENV}, the user name in the URL and {server}"
+                )
+            } else if in_url {
+                format!("check the user name and password in the store URL, and {server}")
+            } else {
+                format!(
+                    "the server wants credentials: put USER:PASSWORD@ in the store URL, or the \
+                     password in {PASSWORD_ENV}"
+                )
+            };
+            CliError::new(
+                crate::exit::NOPERM,
+                format!(
+                    "{context}: {store} rejected the credentials: {} ({advice})",
+                    without_advice(&message)
+                ),
+            )
+        }
+        e => CliError::store(context, e),
+    }
 }
 
 /// The error for a store this binary was built without.
@@ -457,6 +542,7 @@ async fn connect_etcd(
         user,
         prefix,
         tls,
+        ..
     } = url
     else {
         return Err(CliError::new(crate::exit::SOFTWARE, "not an etcd URL"));
@@ -577,7 +663,9 @@ mod tests {
                 tls,
                 user,
                 prefix,
+                password_from_env,
             } => {
+                assert!(!password_from_env);
                 assert_eq!(endpoints, ["http://a:2379", "http://b:22379"]);
                 assert!(!tls && user.is_none());
                 assert_eq!(prefix.as_deref(), Some("/app/"));

@@ -369,6 +369,22 @@ fn usage_errors_and_unreachable_stores_have_their_exit_codes() {
     let url = format!("redis://127.0.0.1:{port}");
     let (code, _, err) = leasehold(&["status", "--store", &url, "--lease", "a"], &[]);
     assert_eq!(code, 69, "{err}");
+    // A prefix the store refuses is a usage error about the URL, not a connection failure.
+    for (bad, says) in [("a{b}", "prefix"), ("", "the prefix is empty")] {
+        let with_prefix = format!("{url}?prefix={bad}");
+        let (code, _, err) = leasehold(&["status", "--store", &with_prefix, "--lease", "a"], &[]);
+        assert_eq!(code, 64, "{err}");
+        assert!(
+            err.contains(says) && !err.contains("cannot connect"),
+            "{err}"
+        );
+        let etcd = format!("etcd://127.0.0.1:{port}?prefix={bad}");
+        if bad.is_empty() {
+            let (code, _, err) = leasehold(&["status", "--store", &etcd, "--lease", "a"], &[]);
+            assert_eq!(code, 64, "{err}");
+            assert!(err.contains(says), "{err}");
+        }
+    }
     let url = format!("etcd://127.0.0.1:{port}");
     let (code, _, err) = leasehold(&["status", "--store", &url, "--lease", "a"], &[]);
     assert_eq!(code, 69, "{err}");
@@ -862,6 +878,20 @@ fn tls_flags_and_passwords_on_rediss() {
     let (code, _, err) = status(&url, &tls, &[("LEASEHOLD_PASSWORD", "wrong-horse")]);
     assert_eq!(code, 77, "{err}");
     assert!(!err.contains("wrong-horse"), "the password leaked: {err}");
+    // The advice names where the wrong password came from.
+    assert!(
+        err.contains("the password came from LEASEHOLD_PASSWORD")
+            && !err.contains("in the redis URL"),
+        "{err}"
+    );
+    let wrong_in_url = url.replacen("rediss://", "rediss://:wrong-horse@", 1);
+    let (code, _, err) = status(&wrong_in_url, &tls, &[]);
+    assert_eq!(code, 77, "{err}");
+    assert!(
+        err.contains("password in the store URL") && !err.contains("LEASEHOLD_PASSWORD,"),
+        "{err}"
+    );
+    assert!(!err.contains("wrong-horse"), "the password leaked: {err}");
     let (code, _, err) = status(&url, &tls[..2], &[("LEASEHOLD_PASSWORD", "s3cret-horse")]);
     assert_ne!(
         code, 0,
@@ -1341,4 +1371,338 @@ fn run_refused_stop_grace_ends_with_the_term() {
         ms(refused_at, last1),
         ms(last1, started2)
     );
+}
+
+/// Runs `leasehold ARGS` like [`leasehold`], failing the test if it has not exited within
+/// `LIMIT` (a hang guard): returns (code, stdout, stderr).
+fn leasehold_within(args: &[&str], env: &[(&str, &str)]) -> (i32, String, String) {
+    let dir = tempfile::tempdir().unwrap();
+    let (out, err) = (dir.path().join("stdout"), dir.path().join("stderr"));
+    let mut child = KillOnDrop(
+        Command::new(leasehold_bin())
+            .args(args)
+            .envs(env.iter().copied())
+            .stdin(std::process::Stdio::null())
+            .stdout(std::fs::File::create(&out).unwrap())
+            .stderr(std::fs::File::create(&err).unwrap())
+            .spawn()
+            .expect("run leasehold"),
+    );
+    let start = std::time::Instant::now();
+    let status = loop {
+        if let Some(s) = child.0.try_wait().unwrap() {
+            break s;
+        }
+        assert!(
+            start.elapsed() < LIMIT,
+            "leasehold {args:?} did not exit; its stderr:\n{}",
+            std::fs::read_to_string(&err).unwrap_or_default()
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    };
+    (
+        status.code().unwrap_or(-1),
+        std::fs::read_to_string(&out).unwrap_or_default(),
+        std::fs::read_to_string(&err).unwrap_or_default(),
+    )
+}
+
+/// Whether the lease has a record on `url` (read with `leasehold status`).
+fn lease_exists(url: &str, lease: &str) -> bool {
+    let (code, out, err) = leasehold(&["status", "--store", url, "--lease", lease, "--json"], &[]);
+    assert_eq!(code, 0, "{err}");
+    json_lines(&out)[0]["exists"] == serde_json::json!(true)
+}
+
+/// A command that cannot be found (127) or executed (126) is reported before campaigning: the
+/// lease gets no record, and no "campaigning" line is printed. Bare names are looked up in PATH
+/// as the shim's exec does.
+#[test]
+fn run_checks_the_command_before_campaigning() {
+    use std::os::unix::fs::PermissionsExt;
+    let server = redis_common::Server::start();
+    let url = server.url();
+    let dir = tempfile::tempdir().unwrap();
+    let plain = dir.path().join("not-executable.sh");
+    std::fs::write(&plain, "#!/bin/sh\nexit 0\n").unwrap();
+    std::fs::set_permissions(&plain, std::fs::Permissions::from_mode(0o644)).unwrap();
+    let bin = dir.path().join("bin");
+    std::fs::create_dir(&bin).unwrap();
+    std::fs::write(bin.join("plain-tool"), "#!/bin/sh\nexit 0\n").unwrap();
+    std::fs::set_permissions(
+        bin.join("plain-tool"),
+        std::fs::Permissions::from_mode(0o644),
+    )
+    .unwrap();
+    let path_env = format!("{}:/usr/bin:/bin", bin.display());
+    let plain = plain.display().to_string();
+    let subdir = dir.path().display().to_string();
+    for (i, (cmd, code, says, path)) in [
+        (
+            "/nonexistent/leasehold-test-command",
+            127,
+            "no such file",
+            None,
+        ),
+        (
+            "leasehold-no-such-command",
+            127,
+            "command not found in PATH",
+            None,
+        ),
+        (plain.as_str(), 126, "is not executable", None),
+        (subdir.as_str(), 126, "is a directory", None),
+        (
+            "plain-tool",
+            126,
+            "plain-tool is not executable",
+            Some(path_env.as_str()),
+        ),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let lease = format!("e2e-precheck-{i}");
+        let mut args = vec!["run", "--store", url.as_str(), "--lease", lease.as_str()];
+        args.extend(TIMINGS);
+        args.extend(["--", cmd]);
+        let env: Vec<(&str, &str)> = path.map(|p| ("PATH", p)).into_iter().collect();
+        let (got, _, err) = leasehold_within(&args, &env);
+        assert_eq!(got, code, "{cmd}: {err}");
+        assert!(
+            err.contains(says) && err.contains("not campaigning"),
+            "{cmd}: {err}"
+        );
+        assert!(!err.contains("campaigning for lease"), "{cmd}: {err}");
+        assert!(
+            !lease_exists(&url, &lease),
+            "{cmd}: leasehold took the lease before finding out: {err}"
+        );
+    }
+}
+
+/// `--trust-absence` creates a lease that has no record at once: with a lease duration of an
+/// hour, the command still starts (the test's 30 s limit is a hang guard). Without the flag,
+/// leasehold says why it waits and names the flag; `--help` explains both.
+#[test]
+fn run_trust_absence_takes_a_new_lease_at_once() {
+    let server = redis_common::Server::start();
+    let url = server.url();
+    let timings = [
+        "--lease-duration",
+        "1h",
+        "--renew-deadline",
+        "1.5s",
+        "--retry-period",
+        "0.3s",
+    ];
+    let mut args = vec!["run", "--store", url.as_str(), "--lease", "e2e-trusting"];
+    args.extend(timings);
+    args.extend(["--trust-absence", "--", "sh", "-c", "exit 4"]);
+    let (code, _, err) = leasehold_within(&args, &[]);
+    assert_eq!(code, 4, "{err}");
+    assert!(
+        err.contains("has no record yet: creating it at once (--trust-absence)"),
+        "{err}"
+    );
+
+    let dir = tempfile::tempdir().unwrap();
+    let errfile = dir.path().join("stderr");
+    let mut args = vec!["run", "--store", url.as_str(), "--lease", "e2e-waiting"];
+    args.extend(timings);
+    args.extend(["--", "sh", "-c", "exit 0"]);
+    let _waiting = KillOnDrop(
+        Command::new(leasehold_bin())
+            .args(&args)
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::null())
+            .stderr(std::fs::File::create(&errfile).unwrap())
+            .spawn()
+            .unwrap(),
+    );
+    let said = wait_until("the waiting message", LIMIT, || {
+        let t = std::fs::read_to_string(&errfile).unwrap_or_default();
+        t.contains("has no record yet").then_some(t)
+    });
+    assert!(
+        said.contains("one lease duration (1h;") && said.contains("--trust-absence"),
+        "{said}"
+    );
+
+    let (_, help, _) = leasehold(&["run", "--help"], &[]);
+    for s in [
+        "--trust-absence",
+        "A brand-new lease",
+        "waits that long",
+        "two commands running at once",
+    ] {
+        assert!(help.contains(s), "{s}: {help}");
+    }
+}
+
+/// Duration flags: a negative value is a bad value for its flag (not an unexpected argument),
+/// each message names the flag, the default that applied and the rule, and values are echoed
+/// as given (`0s`, not `0ns`).
+#[test]
+fn duration_arguments_name_the_flag_the_default_and_the_rule() {
+    // Nothing listens there: every case fails before connecting.
+    let url = format!("redis://127.0.0.1:{}", redis_common::free_port());
+    let run = |flags: &[&str]| {
+        let mut args = vec!["run", "--store", url.as_str(), "--lease", "e2e-durations"];
+        args.extend_from_slice(flags);
+        args.extend(["--", "true"]);
+        let (code, out, err) = leasehold(&args, &[]);
+        assert_eq!(code, 64, "{flags:?}: {out}{err}");
+        assert!(!err.contains("0ns"), "{flags:?}: {err}");
+        err
+    };
+    let err = run(&["--lease-duration", "-5s"]);
+    for s in [
+        "--lease-duration",
+        "cannot be negative",
+        "default 15s",
+        "longer than --renew-deadline",
+    ] {
+        assert!(err.contains(s), "{s}: {err}");
+    }
+    assert!(
+        !err.contains("unexpected argument") && !err.contains("tip:"),
+        "{err}"
+    );
+    let err = run(&["--grace", "-1s"]);
+    assert!(
+        err.contains("--grace") && err.contains("negative") && err.contains("default 10s"),
+        "{err}"
+    );
+    let err = run(&["--lease-duration", "soon"]);
+    assert!(
+        err.contains("--lease-duration") && err.contains("not a duration"),
+        "{err}"
+    );
+    let err = run(&["--lease-duration", "--restart"]);
+    assert!(
+        err.contains("--lease-duration") && err.contains("not a duration"),
+        "{err}"
+    );
+    let err = run(&["--lease-duration", "5s"]);
+    for s in [
+        "--lease-duration 5s must be longer than --renew-deadline",
+        "not given: its default is 10s",
+        "--renew-deadline 3333ms",
+    ] {
+        assert!(err.contains(s), "{s}: {err}");
+    }
+    let err = run(&["--renew-deadline", "20s"]);
+    assert!(
+        err.contains("--lease-duration (not given: its default is 15s) must be longer than --renew-deadline 20s"),
+        "{err}"
+    );
+    let err = run(&["--lease-duration", "0s"]);
+    assert!(
+        err.contains("--lease-duration 0s must be longer than zero") && err.contains("15s"),
+        "{err}"
+    );
+    let err = run(&["--retry-period", "0s"]);
+    assert!(
+        err.contains("--retry-period 0s must be longer than zero") && err.contains("2s"),
+        "{err}"
+    );
+    let err = run(&["--renew-deadline", "2s"]);
+    assert!(
+        err.contains("--renew-deadline 2s must be longer than 2400ms, 1.2 times --retry-period (not given: its default is 2s)"),
+        "{err}"
+    );
+    let err = run(&["--grace", "0s"]);
+    assert!(
+        err.contains("--grace 0s must be longer than zero") && err.contains("10s"),
+        "{err}"
+    );
+    let (code, _, err) = leasehold(&["demo", "--lease-duration", "0s"], &[]);
+    assert_eq!(code, 64, "{err}");
+    assert!(
+        err.contains("--lease-duration 0s") && err.contains("default 1s") && !err.contains("0ns"),
+        "{err}"
+    );
+}
+
+/// `status`'s note about "expired?" goes to stderr, and only when a row says "expired?".
+#[test]
+fn status_notes_expiry_on_stderr_only_when_a_row_looks_expired() {
+    let server = redis_common::Server::start();
+    let rt = runtime();
+    let store = rt
+        .block_on(leasehold_redis::RedisStore::connect(
+            leasehold_redis::RedisConfig::new(server.url()).unwrap(),
+        ))
+        .unwrap();
+    let fresh = leasehold::LeaseKey::new("e2e-note-fresh").unwrap();
+    rt.block_on(leasehold::LeaseStore::create(
+        &store,
+        &fresh,
+        &record("alive", 1),
+    ))
+    .unwrap();
+    let old = leasehold::LeaseKey::new("e2e-note-old").unwrap();
+    let hour_ago = std::time::SystemTime::now() - Duration::from_secs(3600);
+    let mut stale = record("gone", 2);
+    stale.acquire_time = Some(hour_ago);
+    stale.renew_time = Some(hour_ago);
+    rt.block_on(leasehold::LeaseStore::create(&store, &old, &stale))
+        .unwrap();
+    let url = server.url();
+    let note = "judged from the record's timestamps";
+    let (code, out, err) = leasehold(
+        &["status", "--store", &url, "--lease", "e2e-note-fresh"],
+        &[],
+    );
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("held") && !out.contains(note), "{out}");
+    assert!(!err.contains(note), "no row says expired?: {err}");
+    for args in [
+        &["--lease", "e2e-note-old"][..],
+        &["--prefix", "e2e-note-"][..],
+    ] {
+        let mut a = vec!["status", "--store", url.as_str()];
+        a.extend_from_slice(args);
+        let (code, out, err) = leasehold(&a, &[]);
+        assert_eq!(code, 0, "{err}");
+        assert!(out.contains("expired?") && !out.contains(note), "{out}");
+        assert!(err.contains(note), "{args:?}: {err}");
+    }
+}
+
+/// A lease released by someone else while `leasehold run` holds it: the command is stopped,
+/// leasehold exits with 75, and every line on its stderr is a `leasehold:` line, the library's
+/// warning included, with no empty `holder=`.
+#[test]
+fn run_reports_a_lease_released_under_it_in_leasehold_lines() {
+    let server = redis_common::Server::start();
+    let dir = tempfile::tempdir().unwrap();
+    let log = dir.path().join("children.log");
+    let mut runner = start_runner(dir.path(), &server.url(), "e2e-released", "r", &[]);
+    wait_until("the child", LIMIT, || starts(&log).first().cloned());
+    let (code, out, err) = leasehold(
+        &[
+            "release",
+            "--store",
+            &server.url(),
+            "--lease",
+            "e2e-released",
+            "--yes",
+        ],
+        &[],
+    );
+    assert_eq!(code, 0, "{out}{err}");
+    let status = runner.wait(LIMIT);
+    let err = runner.stderr_text();
+    assert_eq!(status.code(), Some(75), "{err}");
+    assert!(
+        err.contains("leasehold: warning: lease lost: someone else released it"),
+        "{err}"
+    );
+    for line in err.lines().filter(|l| !l.trim().is_empty()) {
+        assert!(line.starts_with("leasehold"), "{line:?} in\n{err}");
+        assert!(!line.trim_end().ends_with("holder="), "{line:?}");
+        assert!(!line.contains("holder= "), "{line:?}");
+    }
 }

@@ -1567,6 +1567,10 @@ impl Machine {
         match &self.mode {
             Mode::Leading(_) | Mode::Draining { .. } => match seen {
                 Seen::Record(v) if self.is_current_term(&v.record) => self.adopt(now, v, source),
+                Seen::Record(v) if v.record.is_vacant() => {
+                    warn!("lease lost: someone else released it (the record is vacant)");
+                    self.lose(now, Some(Seen::Record(v)));
+                }
                 Seen::Record(v) => {
                     warn!(holder = %v.record.holder_identity, "lease lost: the record changed under us");
                     self.lose(now, Some(Seen::Record(v)));

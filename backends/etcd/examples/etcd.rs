@@ -15,8 +15,10 @@
 //! `apt-get install protobuf-compiler`):
 //!
 //! ```toml
-//! leasehold = "0.1"
-//! leasehold-etcd = "0.1"
+//! # Not on crates.io yet: paths into a checkout of this repository (here ../leasehold), or
+//! # `git = "<this repository's URL>"` in place of each `path`.
+//! leasehold = { path = "../leasehold" }
+//! leasehold-etcd = { path = "../leasehold/backends/etcd" }
 //! tokio = { version = "1.47", features = ["macros", "rt-multi-thread", "time"] }
 //! ```
 

@@ -14,8 +14,10 @@
 //! version of k8s-openapi, as for any kube-rs program):
 //!
 //! ```toml
-//! leasehold = "0.1"
-//! leasehold-kube = "0.1"
+//! # Not on crates.io yet: paths into a checkout of this repository (here ../leasehold), or
+//! # `git = "<this repository's URL>"` in place of each `path`.
+//! leasehold = { path = "../leasehold" }
+//! leasehold-kube = { path = "../leasehold/backends/kube" }
 //! k8s-openapi = { version = "0.29", features = ["latest"] }
 //! tokio = { version = "1.47", features = ["macros", "rt-multi-thread", "time"] }
 //! ```

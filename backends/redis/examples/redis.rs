@@ -14,8 +14,10 @@
 //! A program of your own needs these `[dependencies]`:
 //!
 //! ```toml
-//! leasehold = "0.1"
-//! leasehold-redis = "0.1"
+//! # Not on crates.io yet: paths into a checkout of this repository (here ../leasehold), or
+//! # `git = "<this repository's URL>"` in place of each `path`.
+//! leasehold = { path = "../leasehold" }
+//! leasehold-redis = { path = "../leasehold/backends/redis" }
 //! tokio = { version = "1.47", features = ["macros", "rt-multi-thread", "time"] }
 //! ```
 
