@@ -310,6 +310,9 @@ struct Term {
 /// How many replaced versions of a term's record are remembered.
 const PAST_VERSIONS: usize = 16;
 
+/// How many records' first observation times are remembered.
+const FIRST_SEEN: usize = 8;
+
 /// Where an observation came from.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Source {
@@ -483,6 +486,8 @@ pub struct Machine {
     rng: u64,
     mode: Mode,
     observed: Option<Observed>,
+    /// When recent records (version and content) were first observed.
+    first_seen: VecDeque<(Versioned, Instant)>,
     known_max: Option<u64>,
     mine: Option<Mine>,
     /// An acquire whose outcome is unknown (it failed or timed out): recognised if a read shows it.
@@ -553,6 +558,7 @@ impl Machine {
             rng: seed ^ 0x9E37_79B9_7F4A_7C15,
             mode: Mode::Following,
             observed: None,
+            first_seen: VecDeque::new(),
             known_max: None,
             mine: None,
             pending_acquire: None,
@@ -947,13 +953,23 @@ impl Machine {
                     Seen::Corrupt(v) => Some(v.clone().unwrap_or_else(|| Version::new(""))),
                 });
             }
+            // A record seen before (a watch that delivered an older state in between, breaking
+            // the store contract) keeps its first observation time: expiry is never postponed by
+            // seeing the same record again.
+            let mut at = now.instant;
             if let Seen::Record(v) = &seen {
                 debug!(holder = %v.record.holder_identity, version = %v.version, "observed a change");
+                match self.first_seen.iter().find(|(r, _)| r == v) {
+                    Some((_, first)) => at = *first,
+                    None => {
+                        if self.first_seen.len() >= FIRST_SEEN {
+                            self.first_seen.pop_front();
+                        }
+                        self.first_seen.push_back((v.clone(), at));
+                    }
+                }
             }
-            self.observed = Some(Observed {
-                seen,
-                at: now.instant,
-            });
+            self.observed = Some(Observed { seen, at });
         } else if let (Some(o), Seen::Record(v)) = (&mut self.observed, seen) {
             // Same version: keep the first observation time, take the (identical) content.
             o.seen = Seen::Record(v);
