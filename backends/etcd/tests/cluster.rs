@@ -7,7 +7,7 @@
 //! no leader while quorum is lost, a leader again after recovery.
 #![allow(clippy::unwrap_used)]
 
-mod common;
+use leasehold_test_support::etcd as common;
 
 use std::sync::Arc;
 use std::time::Duration;

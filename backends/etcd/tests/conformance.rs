@@ -4,7 +4,7 @@
 //! prefix (the suite adds random lease-key prefixes of its own on top).
 #![allow(clippy::unwrap_used)]
 
-mod common;
+use leasehold_test_support::etcd as common;
 
 use std::sync::Arc;
 

@@ -2,7 +2,7 @@
 //! revision (etcd-native fencing, like `ETCD_LOCK_REV`).
 #![allow(clippy::unwrap_used)]
 
-mod common;
+use leasehold_test_support::etcd as common;
 
 use std::sync::Arc;
 use std::time::Duration;

@@ -1,7 +1,7 @@
 //! k0s's scenarios (pool, callbacks, controller counter), ported as store-generic cases
 //! (`leasehold::k0s_conformance_suite!`), against a real etcd (one server per test binary).
 
-mod common;
+use leasehold_test_support::etcd as common;
 
 use std::sync::Arc;
 

@@ -2,7 +2,7 @@
 //! last revision it delivered.
 #![allow(clippy::unwrap_used)]
 
-mod common;
+use leasehold_test_support::etcd as common;
 
 use std::time::Duration;
 

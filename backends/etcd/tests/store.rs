@@ -1,7 +1,7 @@
 //! Store-level tests against a real etcd (one server per test binary, see `common`).
 #![allow(clippy::unwrap_used)]
 
-mod common;
+use leasehold_test_support::etcd as common;
 
 use std::time::Duration;
 

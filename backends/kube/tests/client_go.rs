@@ -3,7 +3,7 @@
 //! `leaseDurationSeconds`, `acquireTime` and `renewTime` as `MicroTime` (RFC 3339 UTC with six
 //! fractional digits), `leaseTransitions`.
 
-mod support;
+use leasehold_test_support::lease_api as support;
 
 use std::time::{Duration, SystemTime};
 

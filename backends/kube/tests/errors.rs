@@ -1,7 +1,7 @@
 //! One test per error mapping: each provokes the HTTP answer from the test Lease API server and
 //! checks the typed `leasehold::Error` the store turns it into.
 
-mod support;
+use leasehold_test_support::lease_api as support;
 
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};

@@ -2,7 +2,7 @@
 //! (kube-apiserver's create-on-update), writes that commit and then fail, and lists that come in
 //! many pages or whose continue token expires.
 
-mod support;
+use leasehold_test_support::lease_api as support;
 
 use std::time::{Duration, SystemTime};
 

@@ -1,7 +1,7 @@
 //! Watch resilience: resume after a dropped connection, re-read after 410 Gone, bookmarks, and
 //! never an older state after a newer one.
 
-mod support;
+use leasehold_test_support::lease_api as support;
 
 use std::time::{Duration, SystemTime};
 

@@ -3,7 +3,7 @@
 //! in the middle of its work.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-mod common;
+use leasehold_test_support::redis as common;
 
 use std::time::Duration;
 

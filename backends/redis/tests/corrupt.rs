@@ -2,7 +2,7 @@
 //! version that lets a compare-and-swap replace it while it is unchanged.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-mod common;
+use leasehold_test_support::redis as common;
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};

@@ -3,7 +3,7 @@
 //! timings they observe; they never assert an upper time bound.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-mod common;
+use leasehold_test_support::redis as common;
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};

@@ -15,7 +15,7 @@
 //! independent pairs of workers run, and for how long each is paused and resumed.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-mod common;
+use leasehold_test_support::redis as common;
 
 use std::collections::BTreeMap;
 use std::io::Write;

@@ -1,7 +1,7 @@
 //! Store-level tests against a real redis-server (one per test binary, see `common`).
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-mod common;
+use leasehold_test_support::redis as common;
 
 use std::time::Duration;
 
