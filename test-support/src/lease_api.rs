@@ -81,6 +81,9 @@
 //!   re-serialized in `MicroTime` form.
 //! - HTTP/2, request priority and fairness (429 only by injection), slow-watcher termination,
 //!   and the apiserver's own timeouts (504 only by injection or for too-large resourceVersions).
+// Error answers are whole HTTP responses.
+#![allow(clippy::result_large_err)]
+
 use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::convert::Infallible;
 use std::net::SocketAddr;
