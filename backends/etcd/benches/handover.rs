@@ -5,9 +5,9 @@
 
 #![allow(missing_docs)]
 
-use leasehold_test_support::etcd as common;
-
 use std::sync::Arc;
+
+use leasehold_test_support::etcd as common;
 
 fn main() {
     leasehold_test_support::harness::bench_main(|| async {

@@ -2,11 +2,10 @@
 //! on free ports, and checks that it shows a leader, a handover and a clean exit.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use leasehold_test_support::etcd as common;
-
 use std::process::Command;
 use std::time::Duration;
 
+use leasehold_test_support::etcd as common;
 use leasehold_test_support::getting_started::{assert_leader_and_handover, example_binary, run};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

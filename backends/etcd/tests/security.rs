@@ -2,8 +2,6 @@
 //! user/password authentication with a role limited to the prefix.
 #![allow(clippy::unwrap_used)]
 
-use leasehold_test_support::etcd as common;
-
 use std::time::Duration;
 
 use common::{Etcd, ServerTls, record};
@@ -11,6 +9,7 @@ use futures::StreamExt;
 use leasehold::{Error, KeyPrefix, LeaseKey, LeaseStore, WatchEvent};
 use leasehold_etcd::etcd_client::{Permission, TlsOptions};
 use leasehold_etcd::{EtcdConfig, EtcdStore, TlsConfig};
+use leasehold_test_support::etcd as common;
 use leasehold_test_support::pki::Pki;
 
 fn key(s: &str) -> LeaseKey {

@@ -2,8 +2,6 @@
 //! each against its own redis-server.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use leasehold_test_support::redis as common;
-
 use std::time::Duration;
 
 use common::*;
@@ -11,6 +9,7 @@ use futures::StreamExt;
 use leasehold::{Error, LeaseStore, WatchEvent};
 use leasehold_redis::{RedisConfig, RedisStore};
 use leasehold_test_support::pki::{Pki, ca};
+use leasehold_test_support::redis as common;
 
 async fn connect(url: &str) -> leasehold::Result<RedisStore> {
     let cfg = RedisConfig::new(url).unwrap().with_prefix(unique_prefix());
