@@ -7,11 +7,11 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
-use leasehold::harness::Stats;
 use leasehold::{
     DynLeaseStore, Elector, ElectorConfig, LeaderStatus, LeaseKey, MemoryStore, StatusCell,
     StatusSource, testing,
 };
+use leasehold_test_support::harness::Stats;
 use tokio::time::Instant;
 
 fn rss_bytes() -> u64 {
@@ -104,7 +104,7 @@ fn spawn_elector(store: &DynLeaseStore, key: &str) -> Elector {
 
 fn main() {
     let quick = std::env::args().any(|a| a == "--quick");
-    leasehold::harness::bench_main(|| async {
+    leasehold_test_support::harness::bench_main(|| async {
         (
             "memory store".to_owned(),
             Arc::new(MemoryStore::new()) as DynLeaseStore,

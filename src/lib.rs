@@ -19,10 +19,6 @@ pub mod testing;
 #[cfg_attr(docsrs, doc(cfg(feature = "conformance")))]
 pub mod conformance;
 
-#[cfg(feature = "conformance")]
-#[cfg_attr(docsrs, doc(cfg(feature = "conformance")))]
-pub mod harness;
-
 pub use error::{BoxError, Error, Result};
 pub use memory::MemoryStore;
 pub use store::{

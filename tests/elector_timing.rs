@@ -1,14 +1,13 @@
 //! Deterministic elector tests on the memory store with Tokio's paused clock: exact instants
 //! for expiry takeover, step-down at the renew deadline, release handover and jittered polling.
 
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
-use async_trait::async_trait;
-use leasehold::fault::FaultyStore;
+use leasehold::fault::{FaultyStore, Op};
 use leasehold::{
-    Capabilities, DynLeaseStore, Elector, ElectorConfig, Error, KeyPrefix, LeaderStatus, LeaseKey,
-    LeaseRecord, LeaseStore, MemoryStore, Result, Version, Versioned, WatchStream,
+    Capabilities, DynLeaseStore, Elector, ElectorConfig, LeaderStatus, LeaseKey, LeaseRecord,
+    LeaseStore, MemoryStore,
 };
 use tokio::sync::watch;
 use tokio::time::{Instant, sleep};
@@ -188,61 +187,18 @@ async fn corrupt_data_is_replaced_only_after_it_stays_unchanged() {
     b.shutdown().await.expect("the elector shuts down cleanly");
 }
 
-/// A store that cannot watch: the follower polls, each wait between RETRY and 2.2 × RETRY.
-#[derive(Debug)]
-struct PollOnly {
-    inner: MemoryStore,
-    gets: Mutex<Vec<Instant>>,
-}
-
-#[async_trait]
-impl LeaseStore for PollOnly {
-    fn name(&self) -> &'static str {
-        "poll-only"
-    }
-    fn capabilities(&self) -> Capabilities {
-        Capabilities::POLL
-    }
-    async fn get(&self, key: &LeaseKey) -> Result<Option<Versioned>> {
-        self.gets
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .push(Instant::now());
-        self.inner.get(key).await
-    }
-    async fn create(&self, key: &LeaseKey, record: &LeaseRecord) -> Result<Version> {
-        self.inner.create(key, record).await
-    }
-    async fn update(&self, k: &LeaseKey, r: &LeaseRecord, v: &Version) -> Result<Version> {
-        self.inner.update(k, r, v).await
-    }
-    async fn delete(&self, key: &LeaseKey, v: &Version) -> Result<()> {
-        self.inner.delete(key, v).await
-    }
-    async fn watch(&self, _: &LeaseKey, _: Option<&Version>) -> Result<WatchStream> {
-        Err(Error::Unsupported {
-            store: "poll-only",
-            operation: "watch",
-        })
-    }
-    async fn list(&self, prefix: &KeyPrefix) -> Result<Vec<(LeaseKey, Versioned)>> {
-        self.inner.list(prefix).await
-    }
-}
-
 #[tokio::test(start_paused = true)]
 async fn polling_follower_jitters_within_bounds() {
     let mem = MemoryStore::new();
     let a = spawn(Arc::new(mem.clone()), "a");
     leading(&mut a.subscribe()).await;
-    let poll = Arc::new(PollOnly {
-        inner: mem,
-        gets: Mutex::default(),
-    });
-    let b = spawn(poll.clone(), "b");
+    // A store that cannot watch: the follower polls, each wait between RETRY and 2.2 × RETRY.
+    let poll = FaultyStore::new(Arc::new(mem)).with_capabilities(Capabilities::POLL);
+    poll.faults().set_call_log(true);
+    let b = spawn(Arc::new(poll.clone()), "b");
     sleep(RETRY * 120).await;
     assert!(!b.is_leading());
-    let gets = poll.gets.lock().unwrap_or_else(|e| e.into_inner()).clone();
+    let gets = poll.faults().call_times(Op::Get);
     assert!(gets.len() > 50, "polled {} times", gets.len());
     let gaps: Vec<Duration> = gets.windows(2).map(|w| w[1] - w[0]).collect();
     for g in &gaps {

@@ -3,16 +3,13 @@
 //! clock and assert exact instants or orderings; the simulator (`tests/simulator.rs`) explores
 //! the same faults at random.
 
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, SystemTime};
 
-use async_trait::async_trait;
-use futures::StreamExt;
+use leasehold::fault::{FaultyStore, Op};
 use leasehold::{
-    Capabilities, DynLeaseStore, Elector, ElectorConfig, Error, KeyPrefix, LeaderStatus, LeaseKey,
-    LeaseRecord, LeaseStore, MemoryStore, Result, Version, Versioned, WatchStream,
-    run_leader_tasks,
+    Capabilities, DynLeaseStore, Elector, ElectorConfig, Error, LeaderStatus, LeaseKey,
+    LeaseRecord, LeaseStore, MemoryStore, run_leader_tasks,
 };
 use tokio::sync::watch;
 use tokio::time::{Instant, sleep};
@@ -31,195 +28,23 @@ fn config(id: &str) -> ElectorConfig {
     ElectorConfig::new(key(), id).with_timings(LEASE, RENEW, RETRY)
 }
 
-fn unavailable() -> Error {
-    Error::Unavailable {
-        store: "wrapped",
-        message: "injected".into(),
-        source: None,
-    }
+/// The memory store under fault control, keeping times to the microsecond as the Redis/etcd
+/// codecs and kube's MicroTime do, reporting `capabilities` (without commit tokens: the elector
+/// computes its tokens from the store's fencing seed, as on a store that keeps no counter).
+fn faulty(mem: &MemoryStore, capabilities: Capabilities) -> FaultyStore {
+    FaultyStore::new(Arc::new(mem.clone()))
+        .with_capabilities(capabilities)
+        .with_microsecond_times()
 }
 
-/// Truncates a time to whole microseconds, as the Redis/etcd codec and kube's MicroTime do.
-fn micros(t: Option<SystemTime>) -> Option<SystemTime> {
-    t.map(|t| {
-        let d = t.duration_since(UNIX_EPOCH).expect("after 1970");
-        UNIX_EPOCH + Duration::from_micros(d.as_micros() as u64)
-    })
+/// A watching store (see [`faulty`]).
+fn watching(mem: &MemoryStore) -> FaultyStore {
+    faulty(mem, Capabilities::WATCH)
 }
 
-#[derive(Default, Debug)]
-struct Knobs {
-    /// Every watch open fails.
-    watch_fails: bool,
-    /// Updates: commit, then wait this long before answering.
-    update_reply_delay: Duration,
-    /// The next N writes commit, then answer with an error.
-    error_after_commit: u64,
-    /// The next N writes commit, then answer as a client retry would: Conflict/AlreadyExists.
-    replay_after_commit: u64,
-    /// Writes fail without committing.
-    writes_fail: bool,
-    /// Updates wait this long before anything else (before failing, or committing).
-    update_delay_before: Duration,
-    /// The server is paused until then: every operation waits for it, and a write runs then
-    /// even if its caller gave up meanwhile (the request was already sent).
-    paused_until: Option<Instant>,
-}
-
-/// A memory store with knobs for faults after commit, keeping times to the microsecond.
-#[derive(Clone, Debug)]
-struct Wrapped {
-    inner: MemoryStore,
-    knobs: Arc<Mutex<Knobs>>,
-    watch_opens: Arc<AtomicU64>,
-    updates: Arc<AtomicU64>,
-    can_watch: bool,
-}
-
-impl Wrapped {
-    fn new(inner: MemoryStore) -> Self {
-        Wrapped {
-            inner,
-            knobs: Arc::default(),
-            watch_opens: Arc::default(),
-            updates: Arc::default(),
-            can_watch: true,
-        }
-    }
-
-    fn polling(inner: MemoryStore) -> Self {
-        Wrapped {
-            can_watch: false,
-            ..Wrapped::new(inner)
-        }
-    }
-
-    fn knobs(&self) -> std::sync::MutexGuard<'_, Knobs> {
-        self.knobs.lock().expect("not poisoned")
-    }
-
-    fn truncate(r: &LeaseRecord) -> LeaseRecord {
-        LeaseRecord {
-            acquire_time: micros(r.acquire_time),
-            renew_time: micros(r.renew_time),
-            ..r.clone()
-        }
-    }
-
-    /// After a committed write: the answer the knobs call for.
-    fn after_commit(&self, v: Version, replay: Error) -> Result<Version> {
-        let mut k = self.knobs();
-        if k.error_after_commit > 0 {
-            k.error_after_commit -= 1;
-            return Err(unavailable());
-        }
-        if k.replay_after_commit > 0 {
-            k.replay_after_commit -= 1;
-            return Err(replay);
-        }
-        Ok(v)
-    }
-}
-
-#[async_trait]
-impl LeaseStore for Wrapped {
-    fn name(&self) -> &'static str {
-        "wrapped"
-    }
-    fn capabilities(&self) -> Capabilities {
-        if self.can_watch {
-            Capabilities::WATCH
-        } else {
-            Capabilities::POLL
-        }
-    }
-    async fn get(&self, key: &LeaseKey) -> Result<Option<Versioned>> {
-        let paused = self.knobs().paused_until;
-        if let Some(until) = paused {
-            tokio::time::sleep_until(until).await;
-        }
-        self.inner.get(key).await
-    }
-    async fn create(&self, key: &LeaseKey, record: &LeaseRecord) -> Result<Version> {
-        if self.knobs().writes_fail {
-            return Err(unavailable());
-        }
-        let v = self.inner.create(key, &Self::truncate(record)).await?;
-        self.after_commit(
-            v,
-            Error::AlreadyExists {
-                key: key.to_string(),
-            },
-        )
-    }
-    async fn update(
-        &self,
-        key: &LeaseKey,
-        record: &LeaseRecord,
-        expected: &Version,
-    ) -> Result<Version> {
-        self.updates.fetch_add(1, Ordering::SeqCst);
-        let before = self.knobs().update_delay_before;
-        if !before.is_zero() {
-            sleep(before).await;
-        }
-        let paused = self.knobs().paused_until;
-        if let Some(until) = paused {
-            let (inner, key, record, expected) = (
-                self.inner.clone(),
-                key.clone(),
-                Self::truncate(record),
-                expected.clone(),
-            );
-            return tokio::spawn(async move {
-                tokio::time::sleep_until(until).await;
-                inner.update(&key, &record, &expected).await
-            })
-            .await
-            .expect("the queued write ran");
-        }
-        if self.knobs().writes_fail {
-            return Err(unavailable());
-        }
-        let v = self
-            .inner
-            .update(key, &Self::truncate(record), expected)
-            .await?;
-        let delay = self.knobs().update_reply_delay;
-        if !delay.is_zero() {
-            sleep(delay).await;
-        }
-        self.after_commit(
-            v,
-            Error::Conflict {
-                key: key.to_string(),
-                expected: expected.clone(),
-            },
-        )
-    }
-    async fn delete(&self, key: &LeaseKey, expected: &Version) -> Result<()> {
-        self.inner.delete(key, expected).await
-    }
-    async fn watch(&self, key: &LeaseKey, after: Option<&Version>) -> Result<WatchStream> {
-        self.watch_opens.fetch_add(1, Ordering::SeqCst);
-        if !self.can_watch {
-            return Err(Error::Unsupported {
-                store: "wrapped",
-                operation: "watch",
-            });
-        }
-        if self.knobs().watch_fails {
-            // Opens, then fails at once: the shape that starved the old leader loop.
-            return Ok(futures::stream::once(async { Err(unavailable()) }).boxed());
-        }
-        self.inner.watch(key, after).await
-    }
-    async fn list(&self, prefix: &KeyPrefix) -> Result<Vec<(LeaseKey, Versioned)>> {
-        self.inner.list(prefix).await
-    }
-    async fn fencing_seed(&self, key: &LeaseKey) -> Result<u64> {
-        self.inner.fencing_seed(key).await
-    }
+/// A store that cannot watch (see [`faulty`]): the elector polls.
+fn polling(mem: &MemoryStore) -> FaultyStore {
+    faulty(mem, Capabilities::POLL)
 }
 
 /// Virtual time a wait may take before the test fails (the clock is paused: this costs nothing).
@@ -265,25 +90,25 @@ async fn released(store: &MemoryStore) {
 async fn s01_a_watch_failing_on_every_open_does_not_starve_renewals() {
     let mem = MemoryStore::new();
     released(&mem).await;
-    let store = Wrapped::new(mem.clone());
-    store.knobs().watch_fails = true;
+    let store = watching(&mem);
+    store.faults().set_watch_streams_fail(true);
     let a = Elector::spawn(Arc::new(store.clone()), config("a")).expect("valid config");
     let mut ra = a.subscribe();
     let term = leading(&mut ra).await;
-    let before = store.updates.load(Ordering::SeqCst);
+    let before = store.faults().calls(Op::Update);
     sleep(LEASE * 4).await;
     assert!(
         ra.borrow().leadership().is_some_and(|l| l.same_term(&term)),
         "still leading the same term after four lease durations"
     );
-    let renewals = store.updates.load(Ordering::SeqCst) - before;
+    let renewals = store.faults().calls(Op::Update) - before;
     let expected = (LEASE * 4).as_secs() / RETRY.as_secs();
     assert!(
         renewals >= expected - 1,
         "renewed {renewals} times in {:?}; every {RETRY:?} would be {expected}",
         LEASE * 4
     );
-    let opens = store.watch_opens.load(Ordering::SeqCst);
+    let opens = store.faults().calls(Op::Watch);
     assert!(
         opens < 4 * expected,
         "{opens} watch opens in {:?}: re-opening must back off",
@@ -299,7 +124,7 @@ async fn s01_a_watch_failing_on_every_open_does_not_starve_renewals() {
 async fn s02_the_term_ends_at_its_deadline_even_with_a_renewal_in_flight() {
     let mem = MemoryStore::new();
     released(&mem).await;
-    let store = Wrapped::new(mem);
+    let store = watching(&mem);
     let a = Elector::spawn(Arc::new(store.clone()), config("a")).expect("valid config");
     let mut ra = a.subscribe();
     let term = leading(&mut ra).await;
@@ -307,8 +132,10 @@ async fn s02_the_term_ends_at_its_deadline_even_with_a_renewal_in_flight() {
     // renewal is confirmed again while one is nearly always in flight.
     sleep(RETRY / 2).await;
     let last_confirmed = term.valid_until().expect("valid") - RENEW;
-    store.knobs().update_delay_before = Duration::from_millis(7500);
-    store.knobs().writes_fail = true;
+    store
+        .faults()
+        .set_delay(Op::Update, Duration::from_millis(7500));
+    store.faults().set_failing(&[Op::Create, Op::Update], true);
     let down = not_leading(&mut ra).await;
     assert!(
         down >= last_confirmed + RENEW && down <= last_confirmed + RENEW + TICK,
@@ -441,16 +268,16 @@ async fn s05_the_next_leader_starts_only_after_the_old_task_finished() {
 async fn s06_a_polling_follower_takes_over_a_crashed_leader() {
     let mem = MemoryStore::new();
     released(&mem).await;
-    let ha = Wrapped::polling(mem.clone());
+    let ha = polling(&mem);
     let a = Elector::spawn(Arc::new(ha.clone()), config("a")).expect("valid");
     leading(&mut a.subscribe()).await;
-    let b = Elector::spawn(Arc::new(Wrapped::polling(mem.clone())), config("b")).expect("valid");
+    let b = Elector::spawn(Arc::new(polling(&mem)), config("b")).expect("valid");
     let mut rb = b.subscribe();
     rb.wait_for(|s| s.leader() == Some("a"))
         .await
         .expect("alive");
     // a crashes: its writes fail from now on and it never releases.
-    ha.knobs().writes_fail = true;
+    ha.faults().set_failing(&[Op::Create, Op::Update], true);
     let crashed = Instant::now();
     let lb = leading(&mut rb).await;
     let waited = lb.since() - crashed;
@@ -474,8 +301,8 @@ async fn s06_a_polling_follower_takes_over_a_crashed_leader() {
 async fn s07_writes_that_landed_but_reported_an_error_are_recognised() {
     let mem = MemoryStore::new();
     released(&mem).await;
-    let store = Wrapped::new(mem.clone());
-    store.knobs().error_after_commit = 1; // the acquisition itself
+    let store = watching(&mem);
+    store.faults().error_after_commit(1); // the acquisition itself
     let started = Instant::now();
     let a = Elector::spawn(Arc::new(store.clone()), config("a")).expect("valid");
     let mut ra = a.subscribe();
@@ -485,8 +312,8 @@ async fn s07_writes_that_landed_but_reported_an_error_are_recognised() {
         "led {:?} after starting: the landed acquire was recognised",
         term.since() - started
     );
-    store.knobs().error_after_commit = 3; // three renewals in a row land but report errors
-    store.knobs().replay_after_commit = 2; // then two come back as a retried write's conflict
+    store.faults().error_after_commit(3); // three renewals in a row land but report errors
+    store.faults().replay_after_commit(2); // then two come back as a retried write's conflict
     sleep(LEASE * 2).await;
     assert!(
         ra.borrow().leadership().is_some_and(|l| l.same_term(&term)),
@@ -567,10 +394,12 @@ async fn s09_absurd_durations_do_not_panic() {
 async fn s10_shutdown_during_an_in_flight_renewal_still_releases() {
     let mem = MemoryStore::new();
     released(&mem).await;
-    let store = Wrapped::polling(mem.clone());
+    let store = polling(&mem);
     let a = Elector::spawn(Arc::new(store.clone()), config("a")).expect("valid");
     leading(&mut a.subscribe()).await;
-    store.knobs().update_reply_delay = Duration::from_millis(800);
+    store
+        .faults()
+        .set_reply_delay(Op::Update, Duration::from_millis(800));
     // The next renewal is sent at RETRY after the acquisition; shut down 650 ms into it.
     sleep(RETRY + Duration::from_millis(650)).await;
     a.shutdown().await.expect("clean shutdown");
@@ -629,45 +458,12 @@ async fn s05b_tasks_outliving_the_drain_timeout_lose_their_term_and_the_lease_ex
 /// (health, shutdown, commands) instead of pretending to be healthy, and its term is revoked.
 #[tokio::test(start_paused = true)]
 async fn s12_a_failed_elector_task_is_reported_and_its_term_revoked() {
-    #[derive(Debug)]
-    struct Panicking(MemoryStore, Arc<AtomicU64>);
-    #[async_trait]
-    impl LeaseStore for Panicking {
-        fn name(&self) -> &'static str {
-            "panicking"
-        }
-        fn capabilities(&self) -> Capabilities {
-            Capabilities::WATCH
-        }
-        async fn get(&self, key: &LeaseKey) -> Result<Option<Versioned>> {
-            self.0.get(key).await
-        }
-        async fn create(&self, key: &LeaseKey, record: &LeaseRecord) -> Result<Version> {
-            self.0.create(key, record).await
-        }
-        async fn update(&self, k: &LeaseKey, r: &LeaseRecord, v: &Version) -> Result<Version> {
-            if self.1.fetch_add(1, Ordering::SeqCst) >= 1 {
-                panic!("injected panic in a store call");
-            }
-            self.0.update(k, r, v).await
-        }
-        async fn delete(&self, key: &LeaseKey, expected: &Version) -> Result<()> {
-            self.0.delete(key, expected).await
-        }
-        async fn watch(&self, key: &LeaseKey, after: Option<&Version>) -> Result<WatchStream> {
-            self.0.watch(key, after).await
-        }
-        async fn list(&self, prefix: &KeyPrefix) -> Result<Vec<(LeaseKey, Versioned)>> {
-            self.0.list(prefix).await
-        }
-    }
     let mem = MemoryStore::new();
     released(&mem).await;
-    let a = Elector::spawn(
-        Arc::new(Panicking(mem.clone(), Arc::default())),
-        config("a"),
-    )
-    .expect("valid");
+    let store = FaultyStore::new(Arc::new(mem.clone())).with_capabilities(Capabilities::WATCH);
+    // The acquisition (an update of the released record) passes; the first renewal panics.
+    store.faults().panic_after(Op::Update, 1);
+    let a = Elector::spawn(Arc::new(store), config("a")).expect("valid");
     let term = leading(&mut a.subscribe()).await;
     // The first renewal panics.
     tokio::time::timeout(PATIENCE, a.stopped())
@@ -694,12 +490,12 @@ async fn s12_a_failed_elector_task_is_reported_and_its_term_revoked() {
 async fn s13_a_renewal_landing_after_a_store_pause_is_taken_back_at_once() {
     let mem = MemoryStore::new();
     released(&mem).await;
-    let store = Wrapped::new(mem.clone());
+    let store = watching(&mem);
     let a = Elector::spawn(Arc::new(store.clone()), config("a")).expect("valid");
     let mut ra = a.subscribe();
     let first = leading(&mut ra).await;
     // The server pauses right after the acquisition, for longer than the renew deadline.
-    store.knobs().paused_until = Some(Instant::now() + RENEW + RETRY);
+    store.faults().pause_for(RENEW + RETRY);
     let down = not_leading(&mut ra).await;
     let second = leading(&mut ra).await;
     assert!(second.fencing_token() > first.fencing_token(), "a new term");

@@ -7,15 +7,6 @@
 //! threshold.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-#[path = "../../backends/redis/tests/common/mod.rs"]
-mod redis_common;
-
-#[path = "../../backends/etcd/tests/common/mod.rs"]
-mod etcd_common;
-
-#[path = "../../backends/kube/tests/support/mod.rs"]
-mod kube_support;
-
 mod cli;
 
 use std::path::Path;
@@ -23,6 +14,10 @@ use std::process::Command;
 use std::time::Duration;
 
 use cli::*;
+use leasehold_test_support::etcd as etcd_common;
+use leasehold_test_support::lease_api as kube_support;
+use leasehold_test_support::pki::Pki;
+use leasehold_test_support::redis as redis_common;
 use rustix::process::Signal;
 
 /// Generous bounds for things that must happen (they fail the test only if never).
@@ -823,7 +818,7 @@ fn run_exits_on_missing_rbac() {
 /// LEASEHOLD_PASSWORD; a wrong password exits 77 without printing it.
 #[test]
 fn tls_flags_and_passwords_on_rediss() {
-    let pki = redis_common::pki();
+    let pki = Pki::generate();
     let dir = tempfile::tempdir().unwrap();
     let file = |name: &str, text: &str| {
         let p = dir.path().join(name);

@@ -7,8 +7,6 @@
 //! no leader while quorum is lost, a leader again after recovery.
 #![allow(clippy::unwrap_used)]
 
-mod common;
-
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -16,6 +14,7 @@ use common::{Etcd, LeaderSampler, wait_for};
 use futures::StreamExt;
 use leasehold::{DynLeaseStore, Elector, ElectorConfig, LeaseKey, LeaseStore, WatchEvent};
 use leasehold_etcd::{EtcdStore, revision};
+use leasehold_test_support::etcd as common;
 
 const LEASE: Duration = Duration::from_secs(3);
 const RENEW: Duration = Duration::from_secs(2);

@@ -4,9 +4,9 @@
 //! prefix (the suite adds random lease-key prefixes of its own on top).
 #![allow(clippy::unwrap_used)]
 
-mod common;
-
 use std::sync::Arc;
+
+use leasehold_test_support::etcd as common;
 
 async fn make_store() -> leasehold::DynLeaseStore {
     Arc::new(common::shared_store().await)

@@ -2,14 +2,13 @@
 //! revision (etcd-native fencing, like `ETCD_LOCK_REV`).
 #![allow(clippy::unwrap_used)]
 
-mod common;
-
 use std::sync::Arc;
 use std::time::Duration;
 
 use common::{shared_store, wait_for};
 use leasehold::{Elector, ElectorConfig, LeaseKey, LeaseStore};
 use leasehold_etcd::{EtcdStore, etcd_client::GetOptions, revision};
+use leasehold_test_support::etcd as common;
 
 const LEASE: Duration = Duration::from_secs(2);
 const RENEW: Duration = Duration::from_secs(1);

@@ -2,14 +2,11 @@
 //! on free ports, and checks that it shows a leader, a handover and a clean exit.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-mod common;
-
 use std::process::Command;
 use std::time::Duration;
 
-#[path = "../../../tests/support/getting_started.rs"]
-mod getting_started;
-use getting_started::{assert_leader_and_handover, example_binary, run};
+use leasehold_test_support::etcd as common;
+use leasehold_test_support::getting_started::{assert_leader_and_handover, example_binary, run};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_getting_started_example_leads_and_hands_over() {

@@ -2,14 +2,13 @@
 //! last revision it delivered.
 #![allow(clippy::unwrap_used)]
 
-mod common;
-
 use std::time::Duration;
 
 use common::{Etcd, record};
 use futures::StreamExt;
 use leasehold::{LeaseKey, LeaseStore, Version, WatchEvent, WatchStream};
 use leasehold_etcd::EtcdStore;
+use leasehold_test_support::etcd as common;
 
 /// The next Put, skipping (retryable) errors reported while the member is down.
 async fn next_put(w: &mut WatchStream) -> Version {

@@ -1,8 +1,6 @@
-//! TLS with client certificates (certificates made with rcgen in the test) and etcd's
+//! TLS with client certificates (certificates from `leasehold_test_support::pki`) and etcd's
 //! user/password authentication with a role limited to the prefix.
 #![allow(clippy::unwrap_used)]
-
-mod common;
 
 use std::time::Duration;
 
@@ -11,62 +9,8 @@ use futures::StreamExt;
 use leasehold::{Error, KeyPrefix, LeaseKey, LeaseStore, WatchEvent};
 use leasehold_etcd::etcd_client::{Permission, TlsOptions};
 use leasehold_etcd::{EtcdConfig, EtcdStore, TlsConfig};
-use rcgen::{
-    BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, Issuer, KeyPair,
-    KeyUsagePurpose,
-};
-
-/// A CA, a server certificate for 127.0.0.1/localhost and a client certificate.
-struct Pki {
-    ca_pem: String,
-    server_cert: String,
-    server_key: String,
-    client_cert: String,
-    client_key: String,
-}
-
-fn pki(client_cn: &str) -> Pki {
-    let ca_key = KeyPair::generate().unwrap();
-    let mut ca = CertificateParams::new(Vec::<String>::new()).unwrap();
-    ca.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-    ca.distinguished_name
-        .push(DnType::CommonName, "leasehold test CA");
-    ca.key_usages = vec![
-        KeyUsagePurpose::KeyCertSign,
-        KeyUsagePurpose::CrlSign,
-        KeyUsagePurpose::DigitalSignature,
-    ];
-    let ca_pem = ca.self_signed(&ca_key).unwrap().pem();
-    let issuer = Issuer::new(ca, ca_key);
-
-    let server_key = KeyPair::generate().unwrap();
-    let mut server =
-        CertificateParams::new(vec!["localhost".to_owned(), "127.0.0.1".to_owned()]).unwrap();
-    server
-        .distinguished_name
-        .push(DnType::CommonName, "etcd test server");
-    server.extended_key_usages = vec![
-        ExtendedKeyUsagePurpose::ServerAuth,
-        ExtendedKeyUsagePurpose::ClientAuth,
-    ];
-    let server_cert = server.signed_by(&server_key, &issuer).unwrap().pem();
-
-    let client_key = KeyPair::generate().unwrap();
-    let mut client = CertificateParams::new(Vec::<String>::new()).unwrap();
-    client
-        .distinguished_name
-        .push(DnType::CommonName, client_cn);
-    client.extended_key_usages = vec![ExtendedKeyUsagePurpose::ClientAuth];
-    let client_cert = client.signed_by(&client_key, &issuer).unwrap().pem();
-
-    Pki {
-        ca_pem,
-        server_cert,
-        server_key: server_key.serialize_pem(),
-        client_cert,
-        client_key: client_key.serialize_pem(),
-    }
-}
+use leasehold_test_support::etcd as common;
+use leasehold_test_support::pki::Pki;
 
 fn key(s: &str) -> LeaseKey {
     LeaseKey::new(s).unwrap()
@@ -98,13 +42,13 @@ async fn round_trip(store: &EtcdStore) {
 
 #[tokio::test]
 async fn tls_with_client_certificates() {
-    let p = pki("lh-client");
+    let p = Pki::with_client_cn("lh-client");
     let etcd = Etcd::start_tls(ServerTls {
         ca_pem: p.ca_pem.clone(),
-        cert_pem: p.server_cert.clone(),
-        key_pem: p.server_key.clone(),
+        cert_pem: p.cert_pem.clone(),
+        key_pem: p.key_pem.clone(),
         client_cert_auth: true,
-        client_identity: Some((p.client_cert.clone(), p.client_key.clone())),
+        client_identity: Some((p.client_cert_pem.clone(), p.client_key_pem.clone())),
     })
     .await;
     assert!(etcd.endpoints()[0].starts_with("https://"));
@@ -113,16 +57,16 @@ async fn tls_with_client_certificates() {
     let config = quick(
         EtcdConfig::new(etcd.endpoints())
             .with_tls_ca_pem(p.ca_pem.clone())
-            .with_tls_client_identity_pem(p.client_cert.clone(), p.client_key.clone()),
+            .with_tls_client_identity_pem(p.client_cert_pem.clone(), p.client_key_pem.clone()),
     );
-    assert!(!format!("{config:?}").contains(&p.client_key));
+    assert!(!format!("{config:?}").contains(&p.client_key_pem));
     let store = EtcdStore::connect(config).await.unwrap();
-    assert!(!format!("{store:?}").contains(&p.client_key));
+    assert!(!format!("{store:?}").contains(&p.client_key_pem));
     round_trip(&store).await;
     // The same through a TlsConfig.
     let tls = TlsConfig::new()
         .with_ca_pem(p.ca_pem.clone())
-        .with_client_identity_pem(p.client_cert.clone(), p.client_key.clone());
+        .with_client_identity_pem(p.client_cert_pem.clone(), p.client_key_pem.clone());
     let config = quick(EtcdConfig::new(etcd.endpoints()).with_tls(tls));
     round_trip(&EtcdStore::connect(config).await.unwrap()).await;
 
@@ -151,12 +95,15 @@ async fn tls_with_client_certificates() {
     // A server certificate from an unknown CA is rejected at connect, the error says what to
     // fix, and it is not retryable (as on every store): retrying cannot make the CA trust the
     // server.
-    let other = pki("lh-client");
+    let other = Pki::with_client_cn("lh-client");
     let e: Error = EtcdStore::connect(quick(
         EtcdConfig::new(etcd.endpoints()).with_tls(
             TlsConfig::new()
                 .with_ca_pem(other.ca_pem.clone())
-                .with_client_identity_pem(other.client_cert.clone(), other.client_key.clone()),
+                .with_client_identity_pem(
+                    other.client_cert_pem.clone(),
+                    other.client_key_pem.clone(),
+                ),
         ),
     ))
     .await

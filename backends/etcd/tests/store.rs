@@ -1,14 +1,13 @@
 //! Store-level tests against a real etcd (one server per test binary, see `common`).
 #![allow(clippy::unwrap_used)]
 
-mod common;
-
 use std::time::Duration;
 
 use common::{record, shared_endpoints, shared_store, unique_prefix};
 use futures::StreamExt;
 use leasehold::{Error, KeyPrefix, LeaseKey, LeaseStore, Version, WatchEvent, WatchStream};
 use leasehold_etcd::{EtcdConfig, EtcdStore, TlsConfig, revision};
+use leasehold_test_support::etcd as common;
 
 fn key(s: &str) -> LeaseKey {
     LeaseKey::new(s).unwrap()

@@ -1,16 +1,14 @@
-//! The core handover harness (`leasehold::harness`) against the in-repo Lease API server (the
+//! The handover harness (`leasehold_test_support::harness`) against the in-repo Lease API server (the
 //! kube-apiserver stand-in), through a real `kube::Client`.
 //!
 //! `cargo bench -p leasehold-kube --bench handover` (add `-- --quick` for fewer rounds).
 
 #![allow(missing_docs)]
 
-#[path = "../tests/support/mod.rs"]
-#[allow(unused_imports)]
-mod support;
+use leasehold_test_support::lease_api as support;
 
 fn main() {
-    leasehold::harness::bench_main(|| async {
+    leasehold_test_support::harness::bench_main(|| async {
         let what = "kube store against the test Lease API server".to_owned();
         // Below the harness's 600 ms renew deadline, which `Elector::spawn` checks.
         let config =

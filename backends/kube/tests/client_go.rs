@@ -3,14 +3,13 @@
 //! `leaseDurationSeconds`, `acquireTime` and `renewTime` as `MicroTime` (RFC 3339 UTC with six
 //! fractional digits), `leaseTransitions`.
 
-mod support;
-
 use std::time::{Duration, SystemTime};
 
 use futures::StreamExt;
 use leasehold::{LeaseKey, LeaseRecord, LeaseStore, Version, WatchEvent};
 use leasehold_kube::KubeConfig;
 use leasehold_kube::mapping::record_to_spec;
+use leasehold_test_support::lease_api as support;
 use serde_json::json;
 use support::{LeaseApiServer, NAMESPACE, store, store_with};
 

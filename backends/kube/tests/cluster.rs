@@ -13,16 +13,18 @@
 //! ```
 #![cfg(leasehold_real_cluster)]
 
-mod support;
+use leasehold_test_support::lease_api as support;
 
 async fn make_cluster_store() -> leasehold::DynLeaseStore {
-    support::cluster::store_from_env().await.unwrap_or_else(|| {
-        panic!(
-            "set {} and {} to run the conformance suite against a real cluster",
-            support::cluster::KUBECONFIG_VAR,
-            support::cluster::NAMESPACE_VAR,
-        )
-    })
+    leasehold_test_support::kube_cluster::store_from_env()
+        .await
+        .unwrap_or_else(|| {
+            panic!(
+                "set {} and {} to run the conformance suite against a real cluster",
+                leasehold_test_support::kube_cluster::KUBECONFIG_VAR,
+                leasehold_test_support::kube_cluster::NAMESPACE_VAR,
+            )
+        })
 }
 
 leasehold::conformance_suite!(make_cluster_store);

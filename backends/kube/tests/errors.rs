@@ -1,13 +1,12 @@
 //! One test per error mapping: each provokes the HTTP answer from the test Lease API server and
 //! checks the typed `leasehold::Error` the store turns it into.
 
-mod support;
-
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
 use leasehold::{Error, LeaseKey, LeaseRecord, LeaseStore, Version, WatchEvent};
 use leasehold_kube::{KubeConfig, KubeStore};
+use leasehold_test_support::lease_api as support;
 use serde_json::json;
 use support::{LeaseApiServer, NAMESPACE, store, store_with, test_config};
 

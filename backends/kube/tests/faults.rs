@@ -2,12 +2,11 @@
 //! (kube-apiserver's create-on-update), writes that commit and then fail, and lists that come in
 //! many pages or whose continue token expires.
 
-mod support;
-
 use std::time::{Duration, SystemTime};
 
 use futures::StreamExt;
 use leasehold::{Error, KeyPrefix, LeaseKey, LeaseRecord, LeaseStore, WatchEvent};
+use leasehold_test_support::lease_api as support;
 use support::{LeaseApiServer, NAMESPACE, ServerOptions, store, store_with, test_config};
 
 fn key(k: &str) -> LeaseKey {

@@ -3,14 +3,11 @@
 //! shows a leader, a handover and a clean exit.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-mod support;
-
 use std::process::Command;
 use std::time::Duration;
 
-#[path = "../../../tests/support/getting_started.rs"]
-mod getting_started;
-use getting_started::{assert_leader_and_handover, example_binary, run};
+use leasehold_test_support::getting_started::{assert_leader_and_handover, example_binary, run};
+use leasehold_test_support::lease_api as support;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_getting_started_example_leads_and_hands_over() {

@@ -2,7 +2,7 @@
 //! kube-apiserver answers (Status bodies with apimachinery's wording, watch events, bookmarks,
 //! 410 Expired).
 
-mod support;
+use leasehold_test_support::lease_api as support;
 
 use futures::{StreamExt, TryStreamExt};
 use k8s_openapi::api::coordination::v1::Lease;

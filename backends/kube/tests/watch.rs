@@ -1,12 +1,11 @@
 //! Watch resilience: resume after a dropped connection, re-read after 410 Gone, bookmarks, and
 //! never an older state after a newer one.
 
-mod support;
-
 use std::time::{Duration, SystemTime};
 
 use futures::StreamExt;
 use leasehold::{LeaseKey, LeaseRecord, LeaseStore, Version, WatchEvent, WatchStream};
+use leasehold_test_support::lease_api as support;
 use support::{LeaseApiServer, ServerOptions, store};
 
 fn key(k: &str) -> LeaseKey {

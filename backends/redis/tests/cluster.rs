@@ -3,14 +3,13 @@
 //! in the middle of its work.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-mod common;
-
 use std::time::Duration;
 
 use common::*;
 use futures::StreamExt;
 use leasehold::{Error, KeyPrefix, LeaseStore, WatchEvent, WatchStream};
 use leasehold_redis::{RedisConfig, RedisStore};
+use leasehold_test_support::redis as common;
 
 const EVENTUALLY: Duration = Duration::from_secs(60);
 

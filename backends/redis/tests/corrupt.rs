@@ -2,8 +2,6 @@
 //! version that lets a compare-and-swap replace it while it is unchanged.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-mod common;
-
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -13,6 +11,7 @@ use leasehold::{
     Elector, ElectorConfig, Error, KeyPrefix, LeaseKey, LeaseStore, Version, WatchEvent,
 };
 use leasehold_redis::RedisStore;
+use leasehold_test_support::redis as common;
 
 /// Writes foreign data under `k`'s record key with `cmds` (after deleting the key).
 async fn write_foreign(url: &str, s: &RedisStore, k: &LeaseKey, cmds: &[Vec<&str>]) {

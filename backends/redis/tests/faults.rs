@@ -3,8 +3,6 @@
 //! timings they observe; they never assert an upper time bound.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-mod common;
-
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -12,6 +10,7 @@ use common::*;
 use futures::StreamExt;
 use leasehold::{Elector, ElectorConfig, Error, LeaseStore, WatchEvent, WatchStream};
 use leasehold_redis::{RedisConfig, RedisStore};
+use leasehold_test_support::redis as common;
 
 /// A generous limit for "eventually", so that a hang fails the test instead of blocking CI.
 const EVENTUALLY: Duration = Duration::from_secs(60);

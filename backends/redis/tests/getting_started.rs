@@ -2,14 +2,11 @@
 //! redis-server on a free port, and checks that it shows a leader, a handover and a clean exit.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-mod common;
-
 use std::process::Command;
 use std::time::Duration;
 
-#[path = "../../../tests/support/getting_started.rs"]
-mod getting_started;
-use getting_started::{assert_leader_and_handover, example_binary, run};
+use leasehold_test_support::getting_started::{assert_leader_and_handover, example_binary, run};
+use leasehold_test_support::redis as common;
 
 #[test]
 fn the_getting_started_example_leads_and_hands_over() {

@@ -15,8 +15,6 @@
 //! independent pairs of workers run, and for how long each is paused and resumed.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-mod common;
-
 use std::collections::BTreeMap;
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -27,6 +25,7 @@ use std::time::{Duration, Instant};
 use common::*;
 use leasehold::{ElectorConfig, LeaseKey, LeaseStore, run_leader_tasks};
 use leasehold_redis::{RedisConfig, RedisStore};
+use leasehold_test_support::redis as common;
 use rustix::process::{Pid, Signal, kill_process};
 use rustix::time::{ClockId, clock_gettime};
 

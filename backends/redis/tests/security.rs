@@ -1,8 +1,6 @@
-//! Security tests: `requirepass`, ACL users and TLS (certificates generated here with rcgen),
+//! Security tests: `requirepass`, ACL users and TLS (certificates from `leasehold_test_support::pki`),
 //! each against its own redis-server.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
-
-mod common;
 
 use std::time::Duration;
 
@@ -10,6 +8,8 @@ use common::*;
 use futures::StreamExt;
 use leasehold::{Error, LeaseStore, WatchEvent};
 use leasehold_redis::{RedisConfig, RedisStore};
+use leasehold_test_support::pki::{Pki, ca};
+use leasehold_test_support::redis as common;
 
 async fn connect(url: &str) -> leasehold::Result<RedisStore> {
     let cfg = RedisConfig::new(url).unwrap().with_prefix(unique_prefix());
@@ -151,7 +151,7 @@ fn tls_server_with(pki: &Pki, auth_clients: bool) -> Server {
 
 #[tokio::test]
 async fn tls_with_the_right_ca_works() {
-    let pki = pki();
+    let pki = Pki::generate();
     let srv = tls_server(&pki);
     assert!(srv.url().starts_with("rediss://"));
     let cfg = RedisConfig::new(srv.url())
@@ -164,7 +164,7 @@ async fn tls_with_the_right_ca_works() {
 
 #[tokio::test]
 async fn tls_with_a_wrong_ca_fails_with_a_clear_tls_error() {
-    let pki = pki();
+    let pki = Pki::generate();
     let srv = tls_server(&pki);
     let other = ca("some other CA");
     let cfg = RedisConfig::new(srv.url())
@@ -194,7 +194,7 @@ async fn tls_with_a_wrong_ca_fails_with_a_clear_tls_error() {
 
 #[tokio::test]
 async fn mutual_tls_needs_the_client_certificate_and_says_so_without_it() {
-    let pki = pki();
+    let pki = Pki::generate();
     let srv = tls_server_with(&pki, true);
     let base = || {
         RedisConfig::new(srv.url())

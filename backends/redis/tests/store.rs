@@ -1,13 +1,12 @@
 //! Store-level tests against a real redis-server (one per test binary, see `common`).
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-mod common;
-
 use std::time::Duration;
 
 use common::*;
 use futures::StreamExt;
 use leasehold::{Error, KeyPrefix, LeaseStore, Version, WatchEvent, WatchStream};
+use leasehold_test_support::redis as common;
 
 async fn next(w: &mut WatchStream) -> WatchEvent {
     tokio::time::timeout(Duration::from_secs(10), w.next())

@@ -1,15 +1,15 @@
-//! Feature `k3s`: the shared conformance suite against K3s in a container (testcontainers).
+//! Feature `k3s` of this crate: the shared conformance suite against leasehold-kube's store on
+//! K3s in a container (testcontainers).
 //!
 //! Needs a Docker engine; UNVERIFIED on the development machines (they have none). CI only
 //! compiles it (`cargo clippy --all-features`). Run it with
-//! `cargo test -p leasehold-kube --features k3s --test k3s`.
+//! `cargo test -p leasehold-test-support --features k3s --test k3s`.
 #![cfg(feature = "k3s")]
-
-mod support;
 
 use std::sync::Arc;
 
 use leasehold_kube::KubeStore;
+use leasehold_test_support::kube_cluster::{client_from_kubeconfig, cluster_config};
 use testcontainers_modules::k3s::{K3s, KUBE_SECURE_PORT};
 use testcontainers_modules::testcontainers::ImageExt;
 use testcontainers_modules::testcontainers::runners::AsyncRunner;
@@ -39,10 +39,9 @@ async fn k3s_conformance_suite() {
         "https://127.0.0.1:6443",
         &format!("https://127.0.0.1:{port}"),
     );
-    let client = support::cluster::client_from_kubeconfig(&yaml).await;
-    let store: leasehold::DynLeaseStore = Arc::new(
-        KubeStore::new(client, support::cluster::cluster_config("default")).expect("store"),
-    );
+    let client = client_from_kubeconfig(&yaml).await;
+    let store: leasehold::DynLeaseStore =
+        Arc::new(KubeStore::new(client, cluster_config("default")).expect("store"));
     macro_rules! run_all {
         ($($case:ident),* $(,)?) => {
             $(

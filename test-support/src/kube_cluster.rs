@@ -1,8 +1,10 @@
-//! Stores on real clusters: a kubeconfig named by environment variables, or (feature `k3s`) a
-//! K3s container.
+//! Stores on real Kubernetes clusters: a kubeconfig named by environment variables
+//! (leasehold-kube's opt-in `tests/cluster.rs`), or K3s in a container (this crate's
+//! `tests/k3s.rs`, feature `k3s`).
+//!
+//! A kube-apiserver control plane started by the tests themselves belongs here too.
 
 use std::sync::Arc;
-use std::time::Duration;
 
 use leasehold_kube::{KubeConfig, KubeStore};
 
@@ -17,7 +19,7 @@ pub const NAMESPACE_VAR: &str = "LEASEHOLD_KUBE_NAMESPACE";
 pub fn cluster_config(namespace: &str) -> KubeConfig {
     KubeConfig::new()
         .with_namespace(namespace)
-        .with_operation_timeout(Duration::from_millis(900))
+        .with_operation_timeout(crate::TEST_OPERATION_TIMEOUT)
 }
 
 /// A client from kubeconfig YAML.

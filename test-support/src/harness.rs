@@ -1,4 +1,4 @@
-//! A handover/failover benchmark harness that works over any store. **Not API-stable.**
+//! A handover/failover benchmark harness that works over any store.
 //!
 //! Used by `benches/handover.rs` (memory store) and by each backend's own bench. It measures:
 //! - **graceful handover**: from the leader's `shutdown()` call (which writes the release) until
@@ -14,8 +14,8 @@ use std::time::Duration;
 use futures::StreamExt;
 use tokio::time::{Instant, timeout};
 
-use crate::fault::FaultyStore;
-use crate::{DynLeaseStore, Elector, ElectorConfig, LeaderStatus, LeaseKey, WatchEvent};
+use leasehold::fault::FaultyStore;
+use leasehold::{DynLeaseStore, Elector, ElectorConfig, LeaderStatus, LeaseKey, WatchEvent};
 
 /// Percentile summary of a sample set.
 #[derive(Clone, Debug, Default)]

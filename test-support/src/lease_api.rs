@@ -81,10 +81,8 @@
 //!   re-serialized in `MicroTime` form.
 //! - HTTP/2, request priority and fairness (429 only by injection), slow-watcher termination,
 //!   and the apiserver's own timeouts (504 only by injection or for too-large resourceVersions).
-// Test support: not every test binary uses every helper, and error answers are whole responses.
-#![allow(dead_code, clippy::result_large_err)]
-
-pub mod cluster;
+// Error answers are whole HTTP responses.
+#![allow(clippy::result_large_err)]
 
 use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::convert::Infallible;
@@ -1514,7 +1512,7 @@ pub const NAMESPACE: &str = "leasehold-test";
 pub fn test_config() -> leasehold_kube::KubeConfig {
     leasehold_kube::KubeConfig::new()
         .with_namespace(NAMESPACE)
-        .with_operation_timeout(Duration::from_millis(900))
+        .with_operation_timeout(crate::TEST_OPERATION_TIMEOUT)
         .with_watch_timeout(Duration::from_secs(30))
 }
 

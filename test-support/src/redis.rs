@@ -18,7 +18,7 @@
 //! `LEASEHOLD_REDIS_URL` points the shared-server tests at an existing server instead (fault and
 //! security tests always start their own, because they stop, restart or configure it).
 //! `LEASEHOLD_REDIS_SERVER` overrides the `redis-server` binary.
-#![allow(dead_code, clippy::unwrap_used, clippy::expect_used)]
+#![allow(clippy::unwrap_used)] // a fixture that cannot start its server fails the test
 
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
@@ -26,16 +26,13 @@ use std::process::{Child, ChildStdin, Command, Stdio};
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
-use leasehold::{DynLeaseStore, LeaseKey, LeaseRecord};
+use leasehold::DynLeaseStore;
 use leasehold_redis::{RedisConfig, RedisStore};
-use rcgen::{
-    BasicConstraints, CertificateParams, CertifiedIssuer, DnType, ExtendedKeyUsagePurpose, IsCa,
-    KeyPair, SanType,
-};
 
 /// How long a starting server may take before the fixture gives up (generous: slow CI).
 const START_LIMIT: Duration = Duration::from_secs(30);
 
+/// The `redis-server` binary: `LEASEHOLD_REDIS_SERVER`, or `redis-server` on the `PATH`.
 pub fn redis_server_bin() -> String {
     std::env::var("LEASEHOLD_REDIS_SERVER").unwrap_or_else(|_| "redis-server".to_owned())
 }
@@ -58,14 +55,13 @@ fn check_binary() {
     }
 }
 
-pub fn free_port() -> u16 {
-    let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind a free loopback port");
-    l.local_addr().expect("local addr").port()
-}
+pub use crate::free_port;
 
 /// One running redis-server (see the module docs for how it is cleaned up).
 pub struct Server {
+    /// The loopback port it listens on.
     pub port: u16,
+    /// Its working directory (config, TLS files, dumps); removed when the server is dropped.
     pub dir: tempfile::TempDir,
     extra: Vec<String>,
     tls: bool,
@@ -181,10 +177,12 @@ impl Server {
         }
     }
 
+    /// The process id of the running redis-server.
     pub fn pid(&self) -> u32 {
         self.proc.as_ref().expect("server running").pid
     }
 
+    /// Its URL: `redis://127.0.0.1:<port>`, or `rediss://` when it serves TLS.
     pub fn url(&self) -> String {
         let scheme = if self.tls { "rediss" } else { "redis" };
         format!("{scheme}://127.0.0.1:{}", self.port)
@@ -212,14 +210,17 @@ impl Server {
         }
     }
 
+    /// Freezes the server (`SIGSTOP`): connections stay open, nothing is answered.
     pub fn pause(&self) {
         signal("STOP", self.pid());
     }
 
+    /// Thaws a [`pause`](Self::pause)d server (`SIGCONT`).
     pub fn resume(&self) {
         signal("CONT", self.pid());
     }
 
+    /// Its working directory.
     pub fn dir(&self) -> &Path {
         self.dir.path()
     }
@@ -258,23 +259,12 @@ pub fn shared_url() -> String {
 
 /// A unique namespace prefix so tests (and runs on a shared server) never collide.
 pub fn unique_prefix() -> String {
-    use std::sync::atomic::{AtomicU64, Ordering};
-    static N: AtomicU64 = AtomicU64::new(0);
-    let nanos = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_nanos())
-        .unwrap_or(0);
-    format!(
-        "lh-test-{}-{nanos}-{}:",
-        std::process::id(),
-        N.fetch_add(1, Ordering::Relaxed)
-    )
+    format!("lh-test-{}:", crate::unique_id())
 }
 
-/// The operation timeout of the tests' stores: below the conformance suite's 1 s renew deadline
-/// (`Elector::spawn` refuses a store timeout that is not).
-pub const TEST_OPERATION_TIMEOUT: Duration = Duration::from_millis(900);
+pub use crate::TEST_OPERATION_TIMEOUT;
 
+/// A store on `url` with [`TEST_OPERATION_TIMEOUT`].
 pub async fn store_at(url: &str) -> RedisStore {
     store_at_with(url, TEST_OPERATION_TIMEOUT).await
 }
@@ -293,23 +283,12 @@ pub async fn store() -> RedisStore {
     store_at(&shared_url()).await
 }
 
+/// A store on the shared server, as the conformance suites take it.
 pub async fn make_store() -> DynLeaseStore {
     std::sync::Arc::new(store().await)
 }
 
-pub fn key(s: &str) -> LeaseKey {
-    LeaseKey::new(s).expect("valid key")
-}
-
-pub fn record(holder: &str, transitions: u64) -> LeaseRecord {
-    LeaseRecord {
-        holder_identity: holder.to_owned(),
-        lease_duration: Duration::from_secs(15),
-        acquire_time: Some(std::time::UNIX_EPOCH + Duration::from_micros(1_764_446_659_123_456)),
-        renew_time: Some(std::time::UNIX_EPOCH + Duration::from_micros(1_764_446_660_000_001)),
-        transitions,
-    }
-}
+pub use crate::{key, record};
 
 /// Runs a raw command on `url` (for tests that write foreign data or flush scripts).
 pub async fn raw_cmd(url: &str, cmd: &redis::Cmd) -> redis::Value {
@@ -324,10 +303,12 @@ pub async fn raw_cmd(url: &str, cmd: &redis::Cmd) -> redis::Value {
 /// A local Redis Cluster of `Server`s with `--cluster-enabled yes`, joined by
 /// `redis-cli --cluster create` (masters only).
 pub struct Cluster {
+    /// Its nodes, masters first.
     pub nodes: Vec<Server>,
 }
 
 impl Cluster {
+    /// Starts a cluster of `masters` masters and no replicas.
     pub fn start(masters: usize) -> Cluster {
         Cluster::start_with_replicas(masters, 0)
     }
@@ -459,46 +440,5 @@ impl Cluster {
             Cluster::cli(n.port, &["CLUSTER", "SETSLOT", &s, "NODE", &to_id]);
         }
         self.wait_until_ok();
-    }
-}
-
-/// Test certificates, generated with rcgen: a CA, a server certificate for `localhost` and
-/// 127.0.0.1, and a client certificate (mutual TLS), all PEM.
-pub struct Pki {
-    pub ca_pem: String,
-    pub cert_pem: String,
-    pub key_pem: String,
-    pub client_cert_pem: String,
-    pub client_key_pem: String,
-}
-
-pub fn ca(name: &str) -> CertifiedIssuer<'static, KeyPair> {
-    let mut params = CertificateParams::new(Vec::<String>::new()).unwrap();
-    params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-    params.distinguished_name.push(DnType::CommonName, name);
-    CertifiedIssuer::self_signed(params, KeyPair::generate().unwrap()).unwrap()
-}
-
-pub fn pki() -> Pki {
-    let ca = ca("leasehold test CA");
-    let mut params = CertificateParams::new(vec!["localhost".to_owned()]).unwrap();
-    params
-        .subject_alt_names
-        .push(SanType::IpAddress("127.0.0.1".parse().unwrap()));
-    let key = KeyPair::generate().unwrap();
-    let cert = params.signed_by(&key, &ca).unwrap();
-    let mut client = CertificateParams::new(vec!["leasehold-client".to_owned()]).unwrap();
-    client
-        .distinguished_name
-        .push(DnType::CommonName, "leasehold-client");
-    client.extended_key_usages = vec![ExtendedKeyUsagePurpose::ClientAuth];
-    let client_key = KeyPair::generate().unwrap();
-    let client_cert = client.signed_by(&client_key, &ca).unwrap();
-    Pki {
-        ca_pem: ca.pem(),
-        cert_pem: cert.pem(),
-        key_pem: key.serialize_pem(),
-        client_cert_pem: client_cert.pem(),
-        client_key_pem: client_key.serialize_pem(),
     }
 }

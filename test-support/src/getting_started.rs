@@ -1,4 +1,4 @@
-//! Shared by the store crates' `tests/getting_started.rs` (included with `#[path]`): finds the
+//! Used by the store crates' `tests/getting_started.rs`: finds the
 //! getting-started example binary that `cargo test` built, runs it with a hang guard, and checks
 //! that its output shows a leader, a graceful handover to the other candidate and a clean exit.
 //! Every store's example prints the same lines, so one check serves them all.

@@ -16,10 +16,9 @@
 //! their own and therefore need the `etcd` binary (`LEASEHOLD_ETCD_BIN`, default `etcd` on the
 //! PATH).
 
-#![allow(dead_code, clippy::unwrap_used)]
+#![allow(clippy::unwrap_used)] // a fixture that cannot start its server fails the test
 
 use std::io::{BufRead, BufReader, Write};
-use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
 use std::sync::Mutex;
@@ -82,21 +81,7 @@ pub fn find_etcd(bin: Option<std::ffi::OsString>, path: Option<std::ffi::OsStrin
     }
 }
 
-fn free_port() -> u16 {
-    free_ports(1)[0]
-}
-
-/// `n` distinct free loopback ports (all bound at once, so none repeats, then released for
-/// etcd to take).
-fn free_ports(n: usize) -> Vec<u16> {
-    let listeners: Vec<TcpListener> = (0..n)
-        .map(|_| TcpListener::bind("127.0.0.1:0").expect("a free loopback port"))
-        .collect();
-    listeners
-        .iter()
-        .map(|l| l.local_addr().expect("a bound address").port())
-        .collect()
-}
+use crate::{free_port, free_ports};
 
 /// Where data dirs go: `LEASEHOLD_ETCD_DATA_ROOT`, else `/dev/shm` when it has at least 1 GiB
 /// free (etcd preallocates 64 MiB WAL segments; Docker's default `/dev/shm` is only 64 MiB),
@@ -123,8 +108,11 @@ fn free_kib(path: &Path) -> Option<u64> {
 /// Server-side TLS files (PEM).
 #[derive(Clone)]
 pub struct ServerTls {
+    /// The CA that signed the server (and client) certificates.
     pub ca_pem: String,
+    /// The server certificate.
     pub cert_pem: String,
+    /// The server certificate's key.
     pub key_pem: String,
     /// Require client certificates signed by the CA.
     pub client_cert_auth: bool,
@@ -160,8 +148,11 @@ impl Drop for Supervisor {
     }
 }
 
+/// One etcd member of an [`Etcd`] cluster.
 pub struct Member {
+    /// Its member name (`m0`, `m1`, …).
     pub name: String,
+    /// Its client URL (`http://` or `https://127.0.0.1:<port>`).
     pub client_url: String,
     dir: PathBuf,
     sup: Mutex<Supervisor>,
@@ -177,6 +168,7 @@ impl Member {
 
 /// One etcd server or cluster started by a test.
 pub struct Etcd {
+    /// The members, in start order.
     pub members: Vec<Member>,
     tls: Option<ServerTls>,
 }
@@ -288,6 +280,7 @@ impl Etcd {
         etcd
     }
 
+    /// Every member's client URL.
     pub fn endpoints(&self) -> Vec<String> {
         self.members.iter().map(|m| m.client_url.clone()).collect()
     }
@@ -297,6 +290,7 @@ impl Etcd {
         self.config_for(&self.endpoints())
     }
 
+    /// A store configuration for `endpoints` (2 s operations, 1 s connects), with the cluster's TLS.
     pub fn config_for(&self, endpoints: &[String]) -> EtcdConfig {
         let mut c = EtcdConfig::new(endpoints.to_vec())
             .with_operation_timeout(Duration::from_secs(2))
@@ -390,22 +384,10 @@ pub async fn shared_endpoints() -> Vec<String> {
 
 /// A unique prefix per call, so tests never collide on a shared server.
 pub fn unique_prefix() -> String {
-    use std::sync::atomic::{AtomicU64, Ordering};
-    static N: AtomicU64 = AtomicU64::new(0);
-    format!(
-        "/leasehold-test/{}-{}-{}/",
-        std::process::id(),
-        std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.as_nanos())
-            .unwrap_or_default(),
-        N.fetch_add(1, Ordering::Relaxed)
-    )
+    format!("/leasehold-test/{}/", crate::unique_id())
 }
 
-/// The operation timeout of the tests' stores: below the conformance suite's 1 s renew deadline
-/// (`Elector::spawn` refuses a store timeout that is not).
-pub const TEST_OPERATION_TIMEOUT: Duration = Duration::from_millis(900);
+pub use crate::TEST_OPERATION_TIMEOUT;
 
 /// A store on the shared server under a fresh prefix.
 pub async fn shared_store() -> EtcdStore {
@@ -421,19 +403,7 @@ pub async fn shared_store_with(timeout: Duration) -> EtcdStore {
     EtcdStore::connect(config).await.expect("connect to etcd")
 }
 
-pub fn record(holder: &str, transitions: u64) -> leasehold::LeaseRecord {
-    leasehold::LeaseRecord {
-        holder_identity: holder.to_owned(),
-        lease_duration: Duration::from_secs(15),
-        acquire_time: Some(
-            std::time::SystemTime::UNIX_EPOCH + Duration::from_micros(1_700_000_000_123_456),
-        ),
-        renew_time: Some(
-            std::time::SystemTime::UNIX_EPOCH + Duration::from_micros(1_700_000_001_123_456),
-        ),
-        transitions,
-    }
-}
+pub use crate::record;
 
 impl Etcd {
     /// The index of the member that is the raft leader, if any member knows one.
@@ -484,6 +454,7 @@ pub struct SampleReport {
 }
 
 impl LeaderSampler {
+    /// Starts sampling `electors`.
     pub fn start(electors: Vec<std::sync::Arc<leasehold::Elector>>) -> Self {
         use std::sync::atomic::Ordering;
         let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
