@@ -95,6 +95,7 @@ fn seeds_of_earlier_reviews_hold() {
         100_096_667,
         101_492_148,
         101_718_339,
+        103_195_427,
     ] {
         let out = sim::Sim::new(seed, None, false).run();
         assert!(out.violation.is_none(), "{}", sim::report(seed, None));

@@ -29,8 +29,9 @@
 //! A record lost while its term is valid (deleted, overwritten with data that is not a record,
 //! released or replaced by an older term's copy by another client) voids guarantee 1 for that
 //! term: an elector that missed it cannot know the term existed. With fencing seeds (no commit
-//! tokens) it voids guarantee 2 for that term too: a later term can repeat its token when a
-//! create was delayed across the loss.
+//! tokens) a loss can break guarantee 2 as well: a create whose seed was read before the loss (a
+//! delayed request, a paused process) can commit a low token afterwards, and later terms can
+//! then repeat earlier tokens.
 //!
 //! Another writer that edits the record's fields without losing it (holder, times, token, a
 //! restored copy of the same term's record) voids nothing. One that **shortens the lease

@@ -56,7 +56,9 @@
 //! 2. fencing tokens strictly increase in term order among terms that are not void (nor begun
 //!    inside such a window: their record was shortened and taken over before they could know,
 //!    so they start late with a lower token, which fencing rejects), and with commit tokens no
-//!    token is ever repeated, void terms included;
+//!    token is ever repeated, void terms included; with fencing seeds, not after a create whose
+//!    seed was read before the record was lost commits a token below one written before (the
+//!    seed scheme's documented limit);
 //! 3. no leader task acts on a term after a later term's first action (outside the exceptions
 //!    of 1);
 //! 4. after the faults stop, some elector leads within
@@ -623,6 +625,9 @@ pub struct Sim {
     actions: Vec<(T, usize)>,
     /// The longest lease duration a foreign writer put into a record (at least `LEASE`).
     longest: Duration,
+    /// With fencing seeds: when a create committed a token below one written before (see
+    /// `commit`); token order is not checked for terms that start after it.
+    seed_regressed: Option<T>,
 }
 
 const TRACE_LINES: usize = 400;
@@ -653,6 +658,7 @@ impl Sim {
             exhausted: false,
             actions: Vec::new(),
             longest: LEASE,
+            seed_regressed: None,
         };
         for i in 0..sim.profile.nodes {
             sim.nodes.push(Node {
@@ -897,7 +903,7 @@ impl Sim {
             // A term that began inside its own exempt window (its record was shortened and
             // taken over before it could know) may start late with a lower token, which fencing
             // rejects, as a void term may.
-            let late = iv.exempt_at(iv.start);
+            let late = iv.exempt_at(iv.start) || self.seed_regressed.is_some_and(|t| iv.start >= t);
             if let Some(m) = max_before
                 && !iv.voided
                 && !late
@@ -1482,6 +1488,7 @@ impl Sim {
                     && fencing_token <= max
                     && !voided
                     && unseen_cut.is_none()
+                    && self.seed_regressed.is_none()
                 {
                     self.fail(format!(
                         "fencing token did not increase: {identity} starts a term with token {fencing_token}, an earlier term had {max}"
@@ -1581,7 +1588,27 @@ impl Sim {
     }
 
     fn commit(&mut self, n: usize, inc: u64, req: RequestId, op: Op, fate: Fate) {
+        let high_before = self.store.high_water;
         let (result, changed) = self.store.apply(&op);
+        // With fencing seeds, a create whose seed was read before the record was lost (a
+        // delayed request, a paused process) commits a token below one written before: from
+        // then on a later term can repeat an earlier token. That is the seed scheme's documented
+        // limit; tokens assigned at commit have no such case.
+        if let (Op::Create(r), true) = (&op, changed)
+            && !self.profile.commit_tokens
+            && r.transitions <= high_before
+            && high_before > 0
+            && self.seed_regressed.is_none()
+        {
+            let now = self.now;
+            self.log(|| {
+                format!(
+                    "a create commits token {} below one written before",
+                    r.transitions
+                )
+            });
+            self.seed_regressed = Some(now);
+        }
         if changed {
             if let Some((Stored::Record(r), _)) = &self.store.cur {
                 self.store.owner = Some((r.holder_identity.clone(), r.transitions));
