@@ -106,6 +106,18 @@ impl Driver {
             })
     }
 
+    /// Moves the current term's validity to `valid_until` (a renewal, or a cut).
+    fn move_validity(&self, valid_until: std::time::Instant) {
+        if let Some(v) = &*self
+            .shared
+            .validity
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+        {
+            set_validity(v, Validity::Until(Instant::from_std(valid_until)));
+        }
+    }
+
     /// Carries out the machine's outputs.
     fn apply(&mut self, io: &mut Io) {
         while let Some(out) = self.machine.poll_output() {
@@ -196,25 +208,9 @@ impl Driver {
                     if let Some(sent) = io.request_sent {
                         self.shared.metrics.renewed(sent.elapsed());
                     }
-                    if let Some(v) = &*self
-                        .shared
-                        .validity
-                        .lock()
-                        .unwrap_or_else(|e| e.into_inner())
-                    {
-                        set_validity(v, Validity::Until(Instant::from_std(valid_until)));
-                    }
+                    self.move_validity(valid_until);
                 }
-                Output::Shortened { valid_until } => {
-                    if let Some(v) = &*self
-                        .shared
-                        .validity
-                        .lock()
-                        .unwrap_or_else(|e| e.into_inner())
-                    {
-                        set_validity(v, Validity::Until(Instant::from_std(valid_until)));
-                    }
-                }
+                Output::Shortened { valid_until } => self.move_validity(valid_until),
                 Output::TokensExhausted { last } => {
                     *self
                         .shared
