@@ -274,16 +274,7 @@ fn pause_leasehold_alone_scenario(store: &str, label: &str) {
         "the paused leasehold's command must be dead once another child has started"
     );
     let recs = read_log(&log);
-    let last1 = recs
-        .iter()
-        .filter(|r| r.token() == tok1)
-        .map(Rec::at)
-        .max()
-        .unwrap();
-    assert!(
-        last1 < started2,
-        "the old command wrote after the next holder's command started: {recs:#?}"
-    );
+    let last1 = assert_silent_after(&recs, tok1, started2);
     let ticks1 = recs
         .iter()
         .filter(|r| matches!(r, Rec::Tick { token, .. } if *token == tok1))
@@ -1152,16 +1143,7 @@ fn run_stop_grace_ends_with_the_term() {
         leader.stderr_text()
     );
     let recs = read_log(&log);
-    let last1 = recs
-        .iter()
-        .filter(|r| r.token() == tok1)
-        .map(Rec::at)
-        .max()
-        .unwrap();
-    assert!(
-        last1 < started2,
-        "the old command wrote after the next holder's command started: {recs:#?}"
-    );
+    let last1 = assert_silent_after(&recs, tok1, started2);
     let status = leader.wait(LIMIT);
     let err = leader.stderr_text();
     assert_eq!(
@@ -1343,16 +1325,7 @@ fn run_refused_stop_grace_ends_with_the_term() {
             .any(|r| matches!(r, Rec::Term { token, .. } if *token == tok1)),
         "the refusal started an ordered stop: {recs:#?}"
     );
-    let last1 = recs
-        .iter()
-        .filter(|r| r.token() == tok1)
-        .map(Rec::at)
-        .max()
-        .unwrap();
-    assert!(
-        last1 < started2,
-        "the old command wrote after the next holder's command started: {recs:#?}"
-    );
+    let last1 = assert_silent_after(&recs, tok1, started2);
     let status = leader.wait(LIMIT);
     let err = leader.stderr_text();
     assert_eq!(

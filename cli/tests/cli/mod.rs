@@ -171,6 +171,22 @@ impl Rec {
     }
 }
 
+/// Asserts that the command of the term with `token` wrote nothing at or after `next_start`
+/// (the next holder's command's start, `CLOCK_MONOTONIC` ns) and returns its last write.
+pub fn assert_silent_after(recs: &[Rec], token: u64, next_start: u64) -> u64 {
+    let last = recs
+        .iter()
+        .filter(|r| r.token() == token)
+        .map(Rec::at)
+        .max()
+        .unwrap_or_else(|| panic!("the command of token {token} wrote nothing: {recs:#?}"));
+    assert!(
+        last < next_start,
+        "the old command wrote after the next holder's command started: {recs:#?}"
+    );
+    last
+}
+
 pub fn read_log(log: &Path) -> Vec<Rec> {
     let text = std::fs::read_to_string(log).unwrap_or_default();
     text.lines()
