@@ -68,20 +68,8 @@ async fn not_leading(rx: &mut watch::Receiver<LeaderStatus>) -> Instant {
 
 /// A released record, so a first candidate acquires at once (a missing one waits a lease).
 async fn released(store: &MemoryStore) {
-    let now = SystemTime::now();
-    store
-        .create(
-            &key(),
-            &LeaseRecord {
-                holder_identity: String::new(),
-                lease_duration: Duration::from_secs(1),
-                acquire_time: Some(now),
-                renew_time: Some(now),
-                transitions: 0,
-            },
-        )
-        .await
-        .expect("created");
+    let store: DynLeaseStore = Arc::new(store.clone());
+    leasehold::conformance::create_released(&store, &key()).await;
 }
 
 /// Schedule 1: a watch that errors on every (re)open neither starves the leader's renewals nor

@@ -4,11 +4,11 @@
 //! exact instants, never wall-clock durations.
 
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, SystemTime};
+use std::time::Duration;
 
 use leasehold::{
-    DynLeaseStore, Elector, ElectorConfig, Error, LeaderStatus, LeaseKey, LeaseRecord, LeaseStore,
-    MemoryStore, StopCause, run_leader_tasks,
+    DynLeaseStore, Elector, ElectorConfig, Error, LeaderStatus, LeaseKey, LeaseStore, MemoryStore,
+    StopCause, run_leader_tasks,
 };
 use tokio::sync::watch;
 use tokio::time::Instant;
@@ -34,20 +34,8 @@ fn config(id: &str) -> ElectorConfig {
 
 /// A released record, so the first candidate acquires at once.
 async fn released(store: &MemoryStore) {
-    let now = SystemTime::now();
-    store
-        .create(
-            &key(),
-            &LeaseRecord {
-                holder_identity: String::new(),
-                lease_duration: Duration::from_secs(1),
-                acquire_time: Some(now),
-                renew_time: Some(now),
-                transitions: 0,
-            },
-        )
-        .await
-        .expect("created");
+    let store: DynLeaseStore = Arc::new(store.clone());
+    leasehold::conformance::create_released(&store, &key()).await;
 }
 
 async fn leads(rx: &mut watch::Receiver<LeaderStatus>) -> Instant {
